@@ -1,0 +1,3 @@
+from rollout_hpc.cli import main
+
+raise SystemExit(main())

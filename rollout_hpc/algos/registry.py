@@ -1,0 +1,108 @@
+"""Which algorithm needs what, and one entry point for advantages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from . import advantages as A
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    name: str
+    needs_critic: bool  # a value head trained with value_loss (PPO)
+    kl_in: Literal["loss", "reward"]  # where algorithm.kl_coef applies; either way kl_coef > 0 needs a reference model
+    min_group_size: int  # smallest algorithm.group_size that gives a baseline
+    dynamic_sampling: bool  # drops all-equal-reward groups by default (DAPO); any algorithm may turn it on
+    recommended_agg: str
+    summary: str
+
+    def needs_reference(self, kl_coef: float) -> bool:
+        return kl_coef > 0
+
+
+ALGORITHMS: dict[str, AlgorithmSpec] = {
+    "grpo": AlgorithmSpec("grpo", False, "loss", 2, False, "seq_mean", "group-normalised advantages, KL to reference in the loss"),
+    "dapo": AlgorithmSpec("dapo", False, "loss", 2, True, "token_mean",
+                          "GRPO advantages + clip-higher, dynamic sampling, token-level loss, overlong shaping"),
+    "ppo": AlgorithmSpec("ppo", True, "reward", 1, False, "token_mean", "critic + GAE, KL penalty in the token rewards"),
+    "rloo": AlgorithmSpec("rloo", False, "reward", 2, False, "token_mean",
+                          "leave-one-out baseline, sequence KL subtracted from the reward"),
+    "reinforce_pp": AlgorithmSpec("reinforce_pp", False, "reward", 1, False, "token_mean",
+                                  "token-level KL in the reward, discounted returns normalised over the global batch"),
+}
+
+# Every keyword compute_advantages understands; an algorithm uses the ones it needs, so a
+# loop may pass the same set for any algorithm. Anything else is a typo and an error.
+ADVANTAGE_PARAMS = {
+    "eps", "scale_by_std", "gamma", "lam", "values", "normalize",
+    "logprobs", "ref_logprobs", "kl_coef", "kl_estimator",
+}
+
+
+def get_algorithm(name: str) -> AlgorithmSpec:
+    try:
+        return ALGORITHMS[name]
+    except KeyError:
+        raise ValueError(f"algorithm '{name}' is unknown; use one of {', '.join(ALGORITHMS)} (algorithm.name)") from None
+
+
+def compute_advantages(name: str, rewards: torch.Tensor, group_size: int, mask: torch.Tensor, **params) -> torch.Tensor:
+    """Per-token advantages [B, T] for algorithm `name` from per-sequence rewards [B].
+
+    Params (all optional unless noted): eps=1e-6, scale_by_std=True (grpo/dapo);
+    gamma=1.0 (ppo, reinforce_pp); lam=0.95, values [B,T] (ppo, required), normalize=True (ppo);
+    logprobs, ref_logprobs [B,T], kl_coef=0.0, kl_estimator="k3" (KL in the reward: ppo, rloo, reinforce_pp).
+    """
+    spec = get_algorithm(name)
+    unknown = set(params) - ADVANTAGE_PARAMS
+    if unknown:
+        raise TypeError(f"compute_advantages got unknown parameters {sorted(unknown)}; known: {sorted(ADVANTAGE_PARAMS)}")
+    if group_size < spec.min_group_size:
+        raise ValueError(f"algorithm '{name}' needs algorithm.group_size >= {spec.min_group_size}, got {group_size}")
+    rewards = torch.as_tensor(rewards, dtype=torch.float32, device=mask.device)
+    eps = params.get("eps", 1e-6)
+    gamma = params.get("gamma", 1.0)
+    kl = dict(
+        logprobs=params.get("logprobs"), ref_logprobs=params.get("ref_logprobs"),
+        kl_coef=params.get("kl_coef", 0.0), kl_estimator=params.get("kl_estimator", "k3"),
+    )
+
+    if name in ("grpo", "dapo"):
+        seq = A.group_normalized(rewards, group_size, eps, params.get("scale_by_std", True))
+        return A.broadcast_to_tokens(seq, mask)
+    if name == "rloo":
+        # Sequence-level KL: the per-token KL penalties summed along the response.
+        token_r = A.token_kl_rewards(rewards, mask, **kl)
+        return A.broadcast_to_tokens(A.leave_one_out(token_r.sum(dim=-1), group_size), mask)
+    if name == "reinforce_pp":
+        returns = A.discounted_returns(A.token_kl_rewards(rewards, mask, **kl), mask, gamma)
+        return A.whiten(returns, mask, eps)
+    if name == "ppo":
+        adv, _ = _ppo_gae(rewards, mask, params, kl)
+        return A.whiten(adv, mask, eps) if params.get("normalize", True) else adv
+    raise AssertionError(name)  # every ALGORITHMS entry is handled above
+
+
+def value_targets(rewards: torch.Tensor, mask: torch.Tensor, **params) -> torch.Tensor:
+    """PPO critic targets (GAE returns = unnormalised advantages + values), same params as compute_advantages."""
+    unknown = set(params) - ADVANTAGE_PARAMS
+    if unknown:
+        raise TypeError(f"value_targets got unknown parameters {sorted(unknown)}")
+    rewards = torch.as_tensor(rewards, dtype=torch.float32, device=mask.device)
+    kl = dict(
+        logprobs=params.get("logprobs"), ref_logprobs=params.get("ref_logprobs"),
+        kl_coef=params.get("kl_coef", 0.0), kl_estimator=params.get("kl_estimator", "k3"),
+    )
+    return _ppo_gae(rewards, mask, params, kl)[1]
+
+
+def _ppo_gae(rewards, mask, params, kl):
+    values = params.get("values")
+    if values is None:
+        raise ValueError("ppo needs values=[B, T] from the critic to compute GAE")
+    token_r = A.token_kl_rewards(rewards, mask, **kl)
+    return A.gae(token_r, values.detach(), mask, params.get("gamma", 1.0), params.get("lam", 0.95))

@@ -1,0 +1,75 @@
+"""One self-contained HTML report of a run: summary, warnings, figures (embedded PNGs), sample trajectories."""
+
+from __future__ import annotations
+
+import base64
+import html
+import math
+from pathlib import Path
+
+import jinja2
+
+from rollout_hpc.analysis.figures import FIGURES, png_bytes
+from rollout_hpc.analysis.samples import last_step, load_decoder, load_samples, render_sample, select_rows
+from rollout_hpc.analysis.summary import analyze_run
+from rollout_hpc.store.trajlog import TrajectoryReader, log_path
+
+_TEMPLATE = jinja2.Environment(autoescape=True).from_string("""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>rollout-hpc report: {{ title }}</title>
+<style>
+ body { font-family: system-ui, sans-serif; max-width: 1100px; margin: 2em auto; color: #222; }
+ table { border-collapse: collapse; } td, th { padding: 2px 10px; border-bottom: 1px solid #ddd; text-align: left; }
+ td.num { text-align: right; font-variant-numeric: tabular-nums; }
+ .warn { background: #fff3cd; border-left: 4px solid #e0a800; padding: 6px 10px; margin: 4px 0; }
+ img { max-width: 100%; } pre { background: #f6f8fa; padding: 8px; overflow-x: auto; }
+</style></head><body>
+<h1>Run {{ title }}</h1>
+<p>{{ log_line }}</p>
+{% for w in warnings %}<div class="warn">{{ w }}</div>{% endfor %}
+<h2>Summary</h2>
+<table>{% for key, value in rows %}<tr><th>{{ key }}</th><td class="num">{{ value }}</td></tr>{% endfor %}</table>
+<h2>Figures</h2>
+{% for name, data in figures %}<figure><img alt="{{ name }}" src="data:image/png;base64,{{ data }}"></figure>{% endfor %}
+<h2>Sample trajectories (step {{ sample_step }})</h2>
+{% for heading, texts in samples %}<h3>{{ heading }}</h3>{% for t in texts %}<pre>{{ t }}</pre>{% endfor %}{% endfor %}
+</body></html>
+""")
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return "n/a" if math.isnan(value) else f"{value:.6g}"
+    return str(value)
+
+
+def _flatten(summary: dict, prefix: str = "") -> list[tuple[str, str]]:
+    rows = []
+    for key, value in summary.items():
+        if key in ("warnings", "log"):
+            continue
+        if isinstance(value, dict) and key != "histogram":
+            rows += _flatten(value, f"{prefix}{key}.")
+        else:
+            rows.append((f"{prefix}{key}", _fmt(value)))
+    return rows
+
+
+def write_report(run_dir_or_log: str | Path, out: str | Path | None = None, samples_per_kind: int = 3) -> Path:
+    path = log_path(run_dir_or_log)
+    analysis = analyze_run(path)
+    figures = [(name, base64.b64encode(png_bytes(draw(analysis))).decode()) for name, draw in FIGURES.items()]
+    decode = load_decoder(path.parent)
+    with TrajectoryReader(path) as reader:
+        step = last_step(reader)
+        sections = []
+        if step is not None:
+            for mode in ("best", "worst"):
+                rows = select_rows(reader, step=step, mode=mode, k=samples_per_kind)
+                sections.append((f"{mode} by reward", [render_sample(s, decode) for s in load_samples(reader, rows)]))
+    out = Path(out) if out else path.parent / "report.html"
+    out.write_text(_TEMPLATE.render(
+        title=html.unescape(str(analysis.summary.get("run_name") or path.parent.name)),
+        log_line=analysis.summary["log"], warnings=analysis.warnings, rows=_flatten(analysis.summary),
+        figures=figures, samples=sections, sample_step=step,
+    ))
+    return out

@@ -1,0 +1,101 @@
+"""Pick trajectories out of a log (best, worst, random; by step or prompt) and show them as text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from rollout_hpc.store.trajlog import TrajectoryReader
+
+Decode = Callable[[np.ndarray], str]
+SCAN_ROWS = 1 << 16
+
+
+def load_decoder(run_dir: str | Path) -> Decode | None:
+    """The run's tokenizer decode, or None when the run does not say (then token ids are shown)."""
+    run_dir = Path(run_dir)
+    if run_dir.suffix == ".h5":
+        run_dir = run_dir.parent
+    try:
+        from rollout_hpc.models.tokenizer import load_tokenizer_for_run
+
+        return load_tokenizer_for_run(run_dir).decode
+    except Exception:  # no config in the run dir, a model dir that moved, or no models package: show ids
+        return None
+
+
+def last_step(reader: TrajectoryReader) -> int | None:
+    return int(reader.column("step", reader.rows - 1)[0]) if reader.rows else None
+
+
+def select_rows(reader: TrajectoryReader, step: int | None = None, prompt: int | None = None, mode: str = "best",
+                k: int = 3, seed: int = 0) -> np.ndarray:
+    """Row indices of up to k trajectories matching step/prompt, by reward (best/worst) or at random."""
+    if mode not in ("best", "worst", "random"):
+        raise ValueError(f"mode must be best, worst or random, not {mode!r}")
+    rows, rewards = [], []
+    for chunk in reader.iter_chunks(SCAN_ROWS, ["step", "prompt_id", "reward"]):
+        keep = np.ones(len(chunk["row"]), bool)
+        if step is not None:
+            keep &= chunk["step"] == step
+        if prompt is not None:
+            keep &= chunk["prompt_id"] == prompt
+        rows.append(chunk["row"][keep])
+        rewards.append(chunk["reward"][keep])
+    found = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+    reward = np.concatenate(rewards) if rewards else np.zeros(0, np.float32)
+    if mode == "random":
+        pick = np.random.default_rng(seed).permutation(len(found))[:k]
+    else:
+        order = np.argsort(-reward if mode == "best" else reward, kind="stable")
+        pick = order[:k]
+    return found[pick]
+
+
+def load_samples(reader: TrajectoryReader, rows: np.ndarray) -> list[dict]:
+    out = []
+    for row in rows:
+        record = reader.batch([int(row)]).record(0)
+        record["row"] = int(row)
+        record["step"] = int(reader.column("step", int(row), int(row) + 1)[0])
+        record["staleness"] = int(reader.column("staleness", int(row), int(row) + 1)[0])
+        out.append(record)
+    return out
+
+
+def _text(ids: np.ndarray, decode: Decode | None) -> str:
+    if decode is None:
+        return "[" + " ".join(str(int(i)) for i in ids) + "]"
+    return decode(ids)
+
+
+def _segments(mask: np.ndarray) -> list[tuple[int, int, bool]]:
+    """(start, end, is_policy) runs of equal loss_mask values."""
+    if not len(mask):
+        return []
+    change = np.flatnonzero(np.diff(mask.astype(np.int8))) + 1
+    bounds = np.concatenate([[0], change, [len(mask)]])
+    return [(int(a), int(b), bool(mask[a])) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def render_sample(s: dict, decode: Decode | None) -> str:
+    """A trajectory as text: header, prompt, then the response turn by turn (policy vs environment text)."""
+    flags = " [hit max_new_tokens]" if s["truncated"] else ""
+    lines = [
+        f"row {s['row']}  step {s['step']}  prompt {s['prompt_id']} sample {s['sample_idx']}  reward {s['reward']:.4g}  "
+        f"policy v{s['policy_version']} (staleness {s['staleness']})  {s['response_len']} response tokens{flags}",
+        f"  prompt: {_text(s['prompt_ids'], decode)}",
+    ]
+    response, mask, starts = s["response_ids"], s["loss_mask"], list(s["turn_starts"])
+    bounds = [int(x) for x in starts] + [len(response)]
+    if len(starts) <= 1:
+        bounds = [0, len(response)]
+    for t, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        label = "  response:" if len(bounds) == 2 else f"  turn {t + 1}:"
+        lines.append(label)
+        for lo, hi, policy in _segments(mask[a:b]):
+            who = "policy" if policy else "env   "
+            lines.append(f"    {who} | {_text(response[a + lo : a + hi], decode)}")
+    return "\n".join(lines)

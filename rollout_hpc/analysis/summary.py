@@ -1,0 +1,271 @@
+"""One pass over a trajectory log, in bounded memory: the numbers that say how a run went.
+
+`analyze_run` streams the per-trajectory columns in chunks (a rich progress bar
+shows on long reads in a terminal) into per-step accumulators and histograms,
+joins the per-step metrics table, and returns a `RunAnalysis`: a JSON-able
+summary plus per-step series for the figures.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from rollout_hpc.store.trajlog import TrajectoryReader, read_meta
+
+CHUNK_ROWS = 1 << 16
+PROGRESS_MIN_ROWS = 1 << 20  # show a progress bar from this many trajectories on
+_COLUMNS = ["step", "reward", "prompt_len", "response_len", "truncated", "staleness", "t_start", "t_end"]
+# Metric names some writers use for the standard columns of the metrics table.
+METRIC_ALIASES = {
+    "gen_time": ("gen_time", "gen_span_s"),
+    "train_time": ("train_time", "train_s"),
+    "sync_time": ("sync_time", "sync_s"),
+    "idle_time": ("idle_time", "gen_wait_s"),
+    "staleness_max": ("staleness_max", "staleness"),
+    "response_len_mean": ("response_len_mean", "response_len"),
+}
+TIME_PARTS = ("gen_time", "train_time", "sync_time", "idle_time")
+TRUNCATION_WARN = 0.10  # warn when more than this share of responses hit max_new_tokens
+
+
+@dataclass
+class RunAnalysis:
+    summary: dict  # JSON-able
+    per_step: dict[str, np.ndarray]  # step-indexed series (trajectory stats joined with metrics)
+    length_hist: np.ndarray  # count of responses per length
+    staleness_hist: np.ndarray  # count of trajectories per staleness
+    warnings: list[str] = field(default_factory=list)
+
+
+class _StepAccumulator:
+    """Per-step sums, min and max grown as larger steps appear."""
+
+    def __init__(self) -> None:
+        self.size = 0
+        self.count = np.zeros(0)
+        self.sums: dict[str, np.ndarray] = {}
+        self.mins: dict[str, np.ndarray] = {}
+        self.maxs: dict[str, np.ndarray] = {}
+
+    def _grow(self, size: int) -> None:
+        if size <= self.size:
+            return
+        size = max(size, 2 * self.size)
+        pad = size - self.size
+        self.count = np.concatenate([self.count, np.zeros(pad)])
+        for d, fill in ((self.sums, 0.0), (self.mins, np.inf), (self.maxs, -np.inf)):
+            for k in d:
+                d[k] = np.concatenate([d[k], np.full(pad, fill)])
+        self.size = size
+
+    def add(self, steps: np.ndarray, **values: np.ndarray) -> None:
+        if not len(steps):
+            return
+        self._grow(int(steps.max()) + 1)
+        self.count += np.bincount(steps, minlength=self.size)
+        for name, v in values.items():
+            v = v.astype(np.float64)
+            for d, fill in ((self.sums, 0.0), (self.mins, np.inf), (self.maxs, -np.inf)):
+                d.setdefault(name, np.full(self.size, fill))
+            self.sums[name] += np.bincount(steps, weights=v, minlength=self.size)
+            self.sums.setdefault(name + "^2", np.zeros(self.size))
+            self.sums[name + "^2"] += np.bincount(steps, weights=v * v, minlength=self.size)
+            np.minimum.at(self.mins[name], steps, v)
+            np.maximum.at(self.maxs[name], steps, v)
+
+
+def _bincount_into(hist: np.ndarray, values: np.ndarray) -> np.ndarray:
+    counts = np.bincount(values)
+    if len(counts) > len(hist):
+        hist = np.concatenate([hist, np.zeros(len(counts) - len(hist), np.int64)])
+    hist[: len(counts)] += counts
+    return hist
+
+
+def _metric(table: dict[str, np.ndarray], name: str) -> np.ndarray | None:
+    for alias in METRIC_ALIASES.get(name, (name,)):
+        if alias in table and not np.isnan(table[alias]).all():
+            return table[alias]
+    return None
+
+
+def _stats(values: np.ndarray | None) -> dict | None:
+    if values is None:
+        return None
+    v = values[~np.isnan(values)]
+    if not len(v):
+        return None
+    return {"first": float(v[0]), "last": float(v[-1]), "mean": float(v.mean()), "min": float(v.min()), "max": float(v.max())}
+
+
+def _percentile_from_hist(hist: np.ndarray, q: float) -> float:
+    total = hist.sum()
+    if not total:
+        return float("nan")
+    return float(np.searchsorted(np.cumsum(hist), q * total, side="left"))
+
+
+def _progress(total: int, label: str) -> Progress:
+    console = Console(stderr=True)
+    return Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=console,
+                    transient=True, disable=total < PROGRESS_MIN_ROWS or not console.is_terminal)
+
+
+@dataclass
+class _Totals:
+    """Whole-run scalars and histograms, accumulated chunk by chunk."""
+
+    n: int = 0
+    tokens: int = 0
+    truncated: int = 0
+    reward_sum: float = 0.0
+    reward_sq: float = 0.0
+    reward_min: float = math.inf
+    reward_max: float = -math.inf
+    t_first: float = math.inf
+    t_last: float = -math.inf
+    length_hist: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
+    stale_hist: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
+
+    def add(self, chunk: dict[str, np.ndarray], reward: np.ndarray, resp: np.ndarray) -> None:
+        self.n += len(reward)
+        self.tokens += int(resp.sum() + chunk["prompt_len"].astype(np.int64).sum())
+        self.truncated += int(chunk["truncated"].sum())
+        self.reward_sum += reward.sum()
+        self.reward_sq += (reward * reward).sum()
+        self.reward_min, self.reward_max = min(self.reward_min, reward.min()), max(self.reward_max, reward.max())
+        self.t_first, self.t_last = min(self.t_first, chunk["t_start"].min()), max(self.t_last, chunk["t_end"].max())
+        self.length_hist = _bincount_into(self.length_hist, resp)
+        self.stale_hist = _bincount_into(self.stale_hist, np.maximum(chunk["staleness"], 0))
+
+
+def analyze_run(run_dir_or_log: str | Path, chunk_rows: int = CHUNK_ROWS) -> RunAnalysis:
+    with TrajectoryReader(run_dir_or_log) as reader:
+        meta = read_meta(reader)
+        acc, totals = _StepAccumulator(), _Totals()
+        with _progress(reader.rows, f"reading {reader.path.name}") as bar:
+            task = bar.add_task("rows", total=reader.rows)
+            for chunk in reader.iter_chunks(chunk_rows, _COLUMNS):
+                steps = chunk["step"].astype(np.int64)
+                reward = chunk["reward"].astype(np.float64)
+                resp = chunk["response_len"].astype(np.int64)
+                acc.add(steps, reward=reward, response_len=resp, tokens=resp + chunk["prompt_len"],
+                        staleness=chunk["staleness"])
+                totals.add(chunk, reward, resp)
+                bar.advance(task, len(steps))
+        log_state = {"log": reader.status_line(), "closed_cleanly": reader.closed_cleanly,
+                     "uncommitted_rows_ignored": int(reader.cut_rows)}
+        table = reader.metrics()
+    return _assemble(meta, acc, totals, table, log_state)
+
+
+def _assemble(meta: dict, acc: _StepAccumulator, t: _Totals, table: dict[str, np.ndarray], log_state: dict) -> RunAnalysis:
+    n = t.n
+    has = acc.count > 0
+    steps = np.flatnonzero(has)
+    count = acc.count[has]
+    per_step: dict[str, np.ndarray] = {"step": steps.astype(np.float64), "samples": count}
+    for name in ("reward", "response_len", "tokens", "staleness"):
+        mean = acc.sums[name][has] / count if n else np.zeros(0)
+        per_step[f"{name}_mean"] = mean
+        per_step[f"{name}_std"] = np.sqrt(np.maximum(acc.sums[name + "^2"][has] / count - mean**2, 0)) if n else mean
+        per_step[f"{name}_min"] = acc.mins[name][has] if n else mean
+        per_step[f"{name}_max"] = acc.maxs[name][has] if n else mean
+    # Join the metrics table on step (a step the table lacks gets NaN).
+    mstep = table.get("step", np.zeros(0)).astype(np.int64)
+    where = {s: i for i, s in enumerate(mstep)}
+    pick = np.array([where.get(int(s), -1) for s in steps], np.int64)
+    for name in ("kl", "entropy", "clip_frac", "tokens_per_s", "time", "allocation", *TIME_PARTS):
+        col = _metric(table, name)
+        if col is not None and len(steps):
+            per_step[name] = np.where(pick >= 0, col[np.maximum(pick, 0)], np.nan)
+
+    wall = float(t.t_last - t.t_first) if n else 0.0
+    if "time" in table and len(table["time"]) and n:
+        wall = max(wall, float(np.nanmax(table["time"]) - t.t_first))
+    mean = t.reward_sum / n if n else float("nan")
+    slope = float(np.polyfit(steps, per_step["reward_mean"], 1)[0]) if len(steps) >= 2 else float("nan")
+    allocation = _metric(table, "allocation")
+    allocations = np.unique(allocation[~np.isnan(allocation)]) if allocation is not None else ()
+    restarts = max(0, len(allocations) - 1)
+    time_totals = {part: float(np.nansum(col)) for part in TIME_PARTS if (col := _metric(table, part)) is not None}
+    max_new = meta.get("max_new_tokens")
+    summary = {
+        **log_state,
+        "run_name": meta.get("run_name"),
+        "steps": int(len(steps)),
+        "last_step": int(steps[-1]) if len(steps) else None,
+        "metric_rows": int(len(mstep)),
+        "samples": int(n),
+        "tokens": int(t.tokens),
+        "wall_time_s": wall,
+        "restarts": restarts,
+        "reward": {
+            "mean": mean,
+            "std": math.sqrt(max(t.reward_sq / n - mean * mean, 0.0)) if n else float("nan"),
+            "min": float(t.reward_min) if n else float("nan"),
+            "max": float(t.reward_max) if n else float("nan"),
+            "first_step_mean": float(per_step["reward_mean"][0]) if n else float("nan"),
+            "last_step_mean": float(per_step["reward_mean"][-1]) if n else float("nan"),
+            "trend_per_step": slope,
+        },
+        "response_length": {
+            "mean": float((np.arange(len(t.length_hist)) * t.length_hist).sum() / n) if n else float("nan"),
+            "p50": _percentile_from_hist(t.length_hist, 0.5),
+            "p90": _percentile_from_hist(t.length_hist, 0.9),
+            "p99": _percentile_from_hist(t.length_hist, 0.99),
+            "max": int(np.flatnonzero(t.length_hist)[-1]) if n else 0,
+            "truncated_fraction": t.truncated / n if n else 0.0,
+            "max_new_tokens": max_new,
+        },
+        "staleness": {
+            "mean": float((np.arange(len(t.stale_hist)) * t.stale_hist).sum() / n) if n else float("nan"),
+            "max": int(np.flatnonzero(t.stale_hist)[-1]) if n else 0,
+            "histogram": {int(k): int(v) for k, v in enumerate(t.stale_hist) if v},
+            "bound": meta.get("max_staleness"),
+        },
+        "kl": _stats(_metric(table, "kl")),
+        "entropy": _stats(_metric(table, "entropy")),
+        "clip_fraction": _stats(_metric(table, "clip_frac")),
+        "time_s": time_totals,
+        "tokens_per_s": t.tokens / wall if wall > 0 else float("nan"),
+        "tokens_per_s_reported": _stats(_metric(table, "tokens_per_s")),
+    }
+    warnings = _warnings(summary, per_step, meta)
+    summary["warnings"] = warnings
+    return RunAnalysis(summary, per_step, t.length_hist, t.stale_hist, warnings)
+
+
+def _warnings(summary: dict, per_step: dict, meta: dict) -> list[str]:
+    out = []
+    if not summary["closed_cleanly"]:
+        out.append(f"log not closed: {summary['log']}")
+    n_steps = summary["steps"]
+    if n_steps >= 3:
+        tail = max(3, n_steps // 10)
+        stds = per_step["reward_std"][-tail:]
+        if np.all(stds < 1e-9):
+            value = per_step["reward_mean"][-1]
+            out.append(f"reward collapsed: every sample of the last {tail} steps got the same reward ({value:g}); "
+                       "group-relative advantages are zero, so the policy gets no learning signal")
+    frac = summary["response_length"]["truncated_fraction"]
+    if frac > TRUNCATION_WARN:
+        out.append(f"{frac:.0%} of responses hit max_new_tokens ({summary['response_length']['max_new_tokens']}); "
+                   "raise algorithm.max_new_tokens or add overlong shaping")
+    bound = summary["staleness"]["bound"]
+    if bound is not None and summary["staleness"]["max"] > bound:
+        over = sum(v for k, v in summary["staleness"]["histogram"].items() if k > bound)
+        out.append(f"staleness above the bound: {over} trajectories lagged more than max_staleness={bound} "
+                   f"(max {summary['staleness']['max']})")
+    return out
+
+
+def summarize(run_dir_or_log: str | Path, chunk_rows: int = CHUNK_ROWS) -> dict:
+    """The JSON-able summary of a run (see analyze_run for the per-step series)."""
+    return analyze_run(run_dir_or_log, chunk_rows).summary

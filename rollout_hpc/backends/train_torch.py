@@ -1,0 +1,76 @@
+"""Plain PyTorch trainer: DistributedDataParallel over the trainer group.
+
+gloo on CPUs, NCCL on GPUs. With one trainer rank the model is not wrapped in
+DDP (nothing to all-reduce), but torch.distributed is still started so the
+code path is the same at every scale.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import torch
+
+from rollout_hpc.backends.trainer import (
+    Trainer,
+    init_torch_distributed,
+    model_logits,
+)
+from rollout_hpc.store.rng import capture_rng_state, restore_rng_state
+
+
+class TorchTrainer(Trainer):
+    def __init__(self, cfg, model: torch.nn.Module, world):
+        super().__init__(cfg, world)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        init_torch_distributed(world, "nccl" if self.device.type == "cuda" else "gloo")
+        self.module = model.to(self.device)
+        self.engine = self.module
+        if world.group_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.engine = DistributedDataParallel(self.module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        a = cfg.algorithm
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=a.lr, betas=(0.9, 0.99), weight_decay=0.0)
+
+    def _forward_logits(self, input_ids, attention_mask):
+        return model_logits(self.engine, input_ids, attention_mask)
+
+    def _set_train(self, mode: bool) -> None:
+        self.engine.train(mode)
+
+    def _backward_and_step(self, loss: torch.Tensor) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.algorithm.max_grad_norm)
+        self.optimizer.step()
+        return float(norm)
+
+    def full_weights(self) -> dict[str, np.ndarray]:
+        # DDP keeps every replica identical, so each rank can answer locally. Copies: the caller
+        # may keep them while training goes on (float() and cpu() would alias a float32 CPU tensor).
+        return {k: v.detach().to("cpu", torch.float32, copy=True).numpy() for k, v in self.module.state_dict().items()}
+
+    def load_full_weights(self, weights: dict[str, np.ndarray]) -> None:
+        sd = self.module.state_dict()
+        self.module.load_state_dict({k: torch.as_tensor(np.asarray(weights[k])).to(sd[k].dtype) for k in sd})
+
+    def state_dict_for_checkpoint(self) -> dict[str, Any]:
+        return {
+            "weights": self.full_weights(),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),  # a snapshot, not live tensors
+            "rng": capture_rng_state(),
+            "steps_done": self.steps_done,
+        }
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        self.load_full_weights(state["weights"])
+        saved = state["optimizer"]
+        # Hyper-parameters come from the current config (a resume may change lr); moments from the checkpoint.
+        self.optimizer.load_state_dict({"state": saved["state"], "param_groups": self.optimizer.state_dict()["param_groups"]})
+        restore_rng_state(state["rng"])
+        self.steps_done = int(state["steps_done"])
+

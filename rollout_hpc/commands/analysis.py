@@ -1,0 +1,191 @@
+"""rollout-hpc analyze | plot | samples | export | compare | report: look at a run from its trajectory log.
+
+Every command takes RUN_DIR (or the path of a trajectories.h5), works on a log
+that is still being written (SWMR) and on a killed job's log (it reads what was
+committed and says what was cut).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from rich.table import Table
+
+from rollout_hpc.commands import err, out
+
+
+def _summary_table(summaries: dict[str, dict]) -> Table:
+    table = Table(show_header=len(summaries) > 1)
+    table.add_column("")
+    for name in summaries:
+        table.add_column(name, justify="right")
+    rows = [
+        ("steps", lambda s: s["steps"]),
+        ("trajectories", lambda s: s["samples"]),
+        ("tokens", lambda s: s["tokens"]),
+        ("wall time", lambda s: f"{s['wall_time_s'] / 60:.1f} min"),
+        ("restarts", lambda s: s["restarts"]),
+        ("reward mean ± std", lambda s: f"{s['reward']['mean']:.4g} ± {s['reward']['std']:.3g}"),
+        ("reward min / max", lambda s: f"{s['reward']['min']:.4g} / {s['reward']['max']:.4g}"),
+        ("reward first → last step", lambda s: f"{s['reward']['first_step_mean']:.4g} → {s['reward']['last_step_mean']:.4g}"),
+        ("reward trend / step", lambda s: f"{s['reward']['trend_per_step']:+.3g}"),
+        ("response length mean (p50/p90/max)", lambda s: "{:.1f} ({:.0f}/{:.0f}/{})".format(
+            s["response_length"]["mean"], s["response_length"]["p50"], s["response_length"]["p90"], s["response_length"]["max"])),
+        ("hit max_new_tokens", lambda s: f"{s['response_length']['truncated_fraction']:.1%}"),
+        ("KL first → last", lambda s: _first_last(s["kl"])),
+        ("entropy first → last", lambda s: _first_last(s["entropy"])),
+        ("clip fraction mean", lambda s: f"{s['clip_fraction']['mean']:.3g}" if s["clip_fraction"] else "n/a"),
+        ("staleness mean / max", lambda s: f"{s['staleness']['mean']:.2f} / {s['staleness']['max']}"),
+        ("time gen / train / sync / idle", lambda s: " / ".join(
+            f"{s['time_s'][k]:.0f}s" if k in s["time_s"] else "-" for k in ("gen_time", "train_time", "sync_time", "idle_time"))),
+        ("tokens / s (wall)", lambda s: f"{s['tokens_per_s']:.4g}"),
+    ]
+    for label, get in rows:
+        cells = []
+        for s in summaries.values():
+            try:
+                cells.append(str(get(s)))
+            except (KeyError, TypeError, ValueError, ZeroDivisionError):
+                cells.append("n/a")
+        table.add_row(label, *cells)
+    return table
+
+
+def _first_last(stats: dict | None) -> str:
+    return f"{stats['first']:.4g} → {stats['last']:.4g}" if stats else "n/a"
+
+
+def _clean(value):
+    """JSON without NaN (not valid JSON): NaN becomes null."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from rollout_hpc.analysis.summary import summarize
+
+    summary = summarize(args.run_dir)
+    if args.json:
+        print(json.dumps(_clean(summary), indent=2))
+        return 0
+    out.print(f"[bold]{summary.get('run_name') or args.run_dir}[/]: {summary['log']}")
+    out.print(_summary_table({"": summary}))
+    for warning in summary["warnings"]:
+        out.print(f"[yellow]warning:[/] {warning}")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from rollout_hpc.analysis.figures import write_run_figures
+    from rollout_hpc.analysis.summary import analyze_run
+    from rollout_hpc.store.trajlog import log_path
+
+    out_dir = Path(args.out) if args.out else log_path(args.run_dir).parent / "plots"
+    for path in write_run_figures(analyze_run(args.run_dir), out_dir):
+        out.print(str(path))
+    return 0
+
+
+def cmd_samples(args: argparse.Namespace) -> int:
+    from rollout_hpc.analysis.samples import last_step, load_decoder, load_samples, render_sample, select_rows
+    from rollout_hpc.store.trajlog import TrajectoryReader, log_path
+
+    mode, k = next(((m, getattr(args, m)) for m in ("best", "worst", "random") if getattr(args, m)), ("best", 3))
+    decode = load_decoder(log_path(args.run_dir).parent)
+    with TrajectoryReader(args.run_dir) as reader:
+        step = args.step if args.step is not None else (None if args.prompt is not None else last_step(reader))
+        rows = select_rows(reader, step=step, prompt=args.prompt, mode=mode, k=k, seed=args.seed)
+        if not len(rows):
+            err.print(f"no trajectories match (step {step}, prompt {args.prompt}) in {reader.path}")
+            return 1
+        if decode is None:
+            err.print("no tokenizer for this run (RUN_DIR/config.resolved.yaml): showing token ids")
+        for sample in load_samples(reader, rows):
+            out.print(render_sample(sample, decode), markup=False, highlight=False)
+            out.print()
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from rollout_hpc.analysis.export import export_run
+
+    columns = [c for part in args.columns for c in part.split(",") if c] if args.columns else None
+    for table, (path, rows) in export_run(args.run_dir, args.format, args.out, columns).items():
+        out.print(f"{table}: {rows} rows -> {path}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from rollout_hpc.analysis.figures import compare_figure, save_figure
+    from rollout_hpc.analysis.summary import analyze_run
+
+    runs = {}
+    for run in args.runs:
+        name = Path(run).name if Path(run).name != "trajectories.h5" else Path(run).parent.name
+        while name in runs:
+            name += "'"
+        runs[name] = analyze_run(run)
+    out.print(_summary_table({name: a.summary for name, a in runs.items()}))
+    figure = Path(args.out)
+    figure.parent.mkdir(parents=True, exist_ok=True)
+    save_figure(compare_figure(runs), figure)
+    out.print(f"curves: {figure}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from rollout_hpc.analysis.report import write_report
+
+    out.print(str(write_report(args.run_dir, args.out)))
+    return 0
+
+
+def register(subparsers) -> None:
+    run_help = "run directory (or its trajectories.h5)"
+    p = subparsers.add_parser("analyze", help="summary of a run from its trajectory log",
+                              description="Steps, samples, tokens, reward trend, lengths, KL, entropy, staleness, "
+                              "time breakdown and warnings, streamed from RUN_DIR/trajectories.h5.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help=run_help)
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=cmd_analyze)
+
+    p = subparsers.add_parser("plot", help="PNG figures of a run (reward, length, KL/entropy, throughput, staleness, time)")
+    p.add_argument("run_dir", metavar="RUN_DIR", help=run_help)
+    p.add_argument("--out", metavar="DIR", help="where to write the PNGs (default RUN_DIR/plots)")
+    p.set_defaults(func=cmd_plot)
+
+    p = subparsers.add_parser("samples", help="show trajectories as text (best, worst or random; by step or prompt)")
+    p.add_argument("run_dir", metavar="RUN_DIR", help=run_help)
+    p.add_argument("--step", type=int, help="train step (default: the last one, unless --prompt is given)")
+    p.add_argument("--prompt", type=int, metavar="ID", help="only trajectories of this prompt id")
+    pick = p.add_mutually_exclusive_group()
+    for mode in ("best", "worst", "random"):
+        pick.add_argument(f"--{mode}", type=int, metavar="K", help=f"the K {mode} by reward" if mode != "random" else "K at random")
+    p.add_argument("--seed", type=int, default=0, help="seed of --random")
+    p.set_defaults(func=cmd_samples)
+
+    p = subparsers.add_parser("export", help="per-trajectory and per-step tables as Parquet or CSV")
+    p.add_argument("run_dir", metavar="RUN_DIR", help=run_help)
+    p.add_argument("--format", choices=("parquet", "csv"), default="parquet")
+    p.add_argument("--columns", nargs="+", metavar="COL", help="trajectory columns (default: all fixed ones; "
+                   "add response_ids, prompt_ids, logprobs, loss_mask or turn_starts for token lists, Parquet only)")
+    p.add_argument("--out", metavar="DIR", help="output directory (default RUN_DIR/export)")
+    p.set_defaults(func=cmd_export)
+
+    p = subparsers.add_parser("compare", help="several runs side by side: table and overlaid curves")
+    p.add_argument("runs", metavar="RUN_DIR", nargs="+", help="two or more run directories")
+    p.add_argument("--out", default="compare.png", metavar="PNG", help="curves figure (default ./compare.png)")
+    p.set_defaults(func=cmd_compare)
+
+    p = subparsers.add_parser("report", help="one self-contained HTML report (summary, figures, samples)")
+    p.add_argument("run_dir", metavar="RUN_DIR", help=run_help)
+    p.add_argument("--out", metavar="HTML", help="report file (default RUN_DIR/report.html)")
+    p.set_defaults(func=cmd_report)

@@ -1,0 +1,86 @@
+"""rollout-hpc prepare CONFIG: make (or reuse) a run directory inside a job started with plain sbatch.
+
+slurm/rollout.sbatch calls this when it runs without `rollout-hpc submit`: then the allocation's
+#SBATCH lines decide the layout, so the group sizes are taken from Slurm's environment.
+Prints the run directory's absolute path (the only stdout output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from pathlib import Path
+
+from rollout_hpc.commands import add_config_arguments, config_path
+from rollout_hpc.config import UserError, load_config
+from rollout_hpc.launch import rundir
+
+GROUPS = ("generator", "trainer")
+
+
+def _tasks_per_node(spec: str) -> int:
+    """SLURM_TASKS_PER_NODE style '2(x3)' or '2' -> 2; uneven layouts ('2(x2),1') are refused."""
+    counts = {int(m.group(1)) for m in re.finditer(r"(\d+)(?:\(x\d+\))?", spec)}
+    if len(counts) != 1:
+        raise UserError(f"the allocation has uneven tasks per node ({spec}); use --ntasks-per-node in the #SBATCH lines")
+    return counts.pop()
+
+
+def allocation_layout(env: dict[str, str] = os.environ) -> list[str]:
+    """--set overrides giving each group the nodes and tasks per node of this het allocation."""
+    if env.get("SLURM_HET_SIZE") != "2":
+        raise UserError(
+            "this job is not a heterogeneous job of two components (generators, trainers): SLURM_HET_SIZE is "
+            f"{env.get('SLURM_HET_SIZE', 'unset')}. Keep the '#SBATCH hetjob' line of slurm/rollout.sbatch."
+        )
+    overrides = []
+    for index, group in enumerate(GROUPS):
+        nodes = env.get(f"SLURM_JOB_NUM_NODES_HET_GROUP_{index}") or env.get(f"SLURM_NNODES_HET_GROUP_{index}")
+        per_node = env.get(f"SLURM_NTASKS_PER_NODE_HET_GROUP_{index}") or env.get(f"SLURM_TASKS_PER_NODE_HET_GROUP_{index}")
+        if not nodes or not per_node:
+            raise UserError(f"Slurm did not say the size of het group {index} ({group}s); is this a Slurm job?")
+        overrides += [f"{group}.nodes={int(nodes)}", f"{group}.tasks_per_node={_tasks_per_node(per_node)}"]
+    return overrides
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides = list(args.overrides)
+    if args.from_allocation:
+        layout = allocation_layout()
+        print(f"rollout-hpc prepare: layout from the allocation: {' '.join(layout)}", file=sys.stderr)
+        overrides += layout
+    cfg = load_config(args.config, overrides)
+    run_dir = Path(args.run_dir or cfg.run.resolved_dir()).absolute()
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if not (run_dir / rundir.MANIFEST).exists():
+        script = Path(args.script).read_text() if args.script else None
+        try:
+            rundir.create_run_dir(run_dir, cfg, config_path(args), launcher="slurm", script=script, overrides=overrides)
+        except UserError:
+            if not (run_dir / rundir.MANIFEST).exists():  # not a concurrent job of the same run
+                raise
+    manifest = rundir.read_manifest(run_dir)
+    if manifest.get("config_digest") != cfg.digest():
+        raise UserError(
+            f"run directory {run_dir} holds a run with a different config (digest {manifest.get('config_digest', '?')[:12]}, "
+            f"this one {cfg.digest()[:12]}); set ROLLOUT_RUN_DIR or run.name for a new run"
+        )
+    if job_id:
+        rundir.add_job_ids(run_dir, [job_id])
+    print(run_dir)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "prepare", help="(used by slurm/rollout.sbatch) make or reuse a run directory inside a job",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_arguments(p)
+    p.add_argument("--run-dir", metavar="DIR", help="run directory (default: run.dir or runs/<run.name>)")
+    p.add_argument("--from-allocation", action="store_true",
+                   help="take each group's nodes and tasks per node from the Slurm het allocation")
+    p.add_argument("--script", metavar="FILE", help="job script to keep as RUN_DIR/job.sbatch")
+    p.set_defaults(func=run)

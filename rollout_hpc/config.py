@@ -1,0 +1,387 @@
+"""The run configuration: one YAML file, typed and validated with pydantic.
+
+Every error names the field path, the file and line where the YAML has one,
+and how to fix it (`ConfigError`). `--set a.b=value` overrides are applied to
+the raw mapping before validation, so they are checked like file values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class UserError(Exception):
+    """A problem the user can fix (bad input, missing tool, refused action).
+
+    The CLI prints its message as one paragraph, without a traceback, and exits 2.
+    """
+
+
+class ConfigError(UserError):
+    """A config problem a user can fix; the message says where and how."""
+
+
+class _Section(BaseModel):
+    # Unknown keys are errors: a typo must never be silently ignored on a cluster.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+
+
+def parse_slurm_time(text: str) -> int:
+    """Seconds in a Slurm time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
+    text = text.strip()
+    if re.fullmatch(r"\d+", text):
+        return int(text) * 60
+    m = re.fullmatch(r"(\d+)-(\d+)(?::(\d+))?(?::(\d+))?", text)
+    if m:
+        d, h, mi, s = (int(x) if x else 0 for x in m.groups())
+        return ((d * 24 + h) * 60 + mi) * 60 + s
+    parts = text.split(":")
+    if all(p.isdigit() for p in parts) and 2 <= len(parts) <= 3:
+        nums = [int(p) for p in parts]
+        if len(nums) == 2:
+            return nums[0] * 60 + nums[1]
+        return (nums[0] * 60 + nums[1]) * 60 + nums[2]
+    raise ValueError(
+        f"'{text}' is not a Slurm time limit; use MM, MM:SS, HH:MM:SS or D-HH:MM:SS (e.g. 02:00:00)"
+    )
+
+
+class RunSection(_Section):
+    name: str = Field("quickstart", description="Run name; also names shared-memory segments.")
+    dir: str | None = Field(
+        None, description="Run directory (default: runs/<name>). Put it on the shared filesystem; $VARS and ~ are expanded."
+    )
+    seed: int = Field(0, description="Global seed; every rank derives its own from it.")
+    program: Literal["train", "hello"] = Field(
+        "train", description="What the ranks run: 'train' (the RL loop) or 'hello' (prove the MPI world and exit)."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_filename_safe(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", v):
+            raise ValueError("use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+        return v
+
+    def resolved_dir(self) -> Path:
+        if not self.dir:
+            return Path(f"runs/{self.name}")
+        return Path(os.path.expanduser(os.path.expandvars(self.dir)))
+
+
+class ModelSection(_Section):
+    path: str | None = Field(None, description="Local Hugging Face causal-LM directory. None = built-in tiny model.")
+    # Built-in tiny model (random init from this config, tokenizer made in code).
+    hidden_size: int = Field(64, gt=0)
+    num_layers: int = Field(2, gt=0)
+    num_heads: int = Field(4, gt=0)
+    max_seq_len: int = Field(64, gt=0)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self) -> "ModelSection":
+        if self.path is None and self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"model.hidden_size ({self.hidden_size}) must be a multiple of model.num_heads ({self.num_heads})"
+            )
+        return self
+
+
+class TaskSection(_Section):
+    name: str = Field("arithmetic", description="Built-in task (arithmetic, sokoban) or plugin 'pkg.mod:attr' / 'file.py:attr'.")
+    reward: str | None = Field(None, description="Optional reward plugin 'pkg.mod:attr' or 'file.py:attr' overriding the task's.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the task.")
+
+
+class AlgorithmSection(_Section):
+    name: Literal["grpo", "ppo", "dapo", "rloo", "reinforce_pp"] = "grpo"
+    steps: int = Field(30, gt=0, description="Train steps in the whole run (across all allocations).")
+    prompts_per_step: int = Field(8, gt=0)
+    group_size: int = Field(4, gt=0, description="Samples per prompt.")
+    max_new_tokens: int = Field(8, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    lr: float = Field(1e-3, gt=0)
+    clip_eps: float = Field(0.2, gt=0)
+    clip_eps_high: float | None = Field(None, gt=0, description="DAPO clip-higher upper bound (default: clip_eps).")
+    kl_coef: float = Field(0.0, ge=0)
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    entropy_coef: float = Field(0.0, ge=0)
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    dynamic_sampling: bool = False
+    overlong_buffer: int = Field(0, ge=0, description="DAPO overlong shaping: penalty ramps over the last N tokens.")
+    overlong_penalty: float = Field(1.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+
+
+class GroupSection(_Section):
+    nodes: int = Field(1, description="Nodes in this het group (>= 1).")
+    tasks_per_node: int = Field(1, description="MPI ranks per node.")
+    gpus_per_task: int = Field(0, ge=0)
+    cpus_per_task: int = Field(1, ge=1)
+    mem: str | None = Field(None, description="Slurm --mem for this group, e.g. 64G.")
+    partition: str | None = Field(None, description="Partition for this group only (default: slurm.partition).")
+    constraint: str | None = Field(None, description="Node features for this group only (default: slurm.constraint).")
+
+    @field_validator("nodes", "tasks_per_node")
+    @classmethod
+    def _at_least_one(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("must be at least 1: each het group needs at least one node and one task per node")
+        return v
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
+class GeneratorSection(GroupSection):
+    backend: Literal["hf", "vllm"] = "hf"
+    tensor_parallel: int = Field(1, ge=1)
+
+
+class TrainerSection(GroupSection):
+    backend: Literal["torch", "deepspeed", "megatron"] = "torch"
+    zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    tensor_parallel: int = Field(1, ge=1)
+    pipeline_parallel: int = Field(1, ge=1)
+
+
+class ExchangeSection(_Section):
+    ring_dir: str = Field("/dev/shm", description="Directory of the node ring segments (tmpfs).")
+    ring_bytes: int = Field(64 << 20, gt=4096, description="Capacity of each node ring.")
+    max_inflight_bytes: int = Field(256 << 20, gt=0, description="Bound on bytes sent over MPI but not yet received.")
+    max_staleness: int = Field(0, ge=0, description="Policy versions a trajectory may lag; 0 = strictly on-policy.")
+    weight_chunk_bytes: int = Field(64 << 20, gt=0)
+
+
+class CheckpointSection(_Section):
+    every_steps: int = Field(10, ge=0, description="Periodic checkpoint every N steps (0 = off).")
+    every_minutes: float = Field(0, ge=0, description="Periodic checkpoint every M minutes (0 = off).")
+    keep_last: int = Field(3, ge=1)
+
+
+class ContainerSection(_Section):
+    image: str
+    runtime: Literal["pyxis", "apptainer"] = "pyxis"
+    mounts: list[str] = Field(default_factory=list)
+
+
+class SlurmSection(_Section):
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str = Field("00:30:00", description="Time limit of each allocation (Slurm syntax).")
+    constraint: str | None = None
+    gpus_per_node: int = Field(8, ge=0, description="GPUs a node of this cluster has (validation bound).")
+    signal_lead_seconds: int = Field(120, ge=10, description="--signal=B:USR1@N: warning before the time limit.")
+    max_requeues: int = Field(10, ge=0)
+    mpi: Literal["pmix", "pmix_v3", "pmix_v4", "pmi2", "none"] = "pmix"
+    modules: list[str] = Field(default_factory=list, description="`module load` lines, in order.")
+    container: ContainerSection | None = None
+    extra_sbatch: list[str] = Field(default_factory=list, description="Extra '#SBATCH' options, e.g. '--mail-type=END'.")
+    env: dict[str, str] = Field(default_factory=dict, description="Environment exported in the job.")
+    gpu_request: Literal["gpus-per-task", "gres"] = Field(
+        "gpus-per-task", description="How GPUs are requested: --gpus-per-task=N, or --gres=gpu:N per node (older clusters)."
+    )
+    python: str | None = Field(
+        None,
+        description="Python interpreter on the compute nodes. Default: the one running `rollout-hpc submit` "
+        "(right for a venv on a shared filesystem), or python3 inside a container.",
+    )
+
+    @field_validator("time")
+    @classmethod
+    def _time_parses(cls, v: str) -> str:
+        parse_slurm_time(v)
+        return v
+
+    @field_validator("extra_sbatch")
+    @classmethod
+    def _extra_are_options(cls, v: list[str]) -> list[str]:
+        for line in v:
+            if not line.startswith("-"):
+                raise ValueError(f"'{line}' is not an sbatch option; write it like '--mail-type=END'")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        for name in v:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise ValueError(f"'{name}' is not an environment variable name; use letters, digits and '_'")
+        return v
+
+    @property
+    def time_seconds(self) -> int:
+        return parse_slurm_time(self.time)
+
+
+class Config(_Section):
+    run: RunSection = Field(default_factory=RunSection)
+    model: ModelSection = Field(default_factory=ModelSection)
+    task: TaskSection = Field(default_factory=TaskSection)
+    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
+    generator: GeneratorSection = Field(default_factory=GeneratorSection)
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
+    exchange: ExchangeSection = Field(default_factory=ExchangeSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    slurm: SlurmSection = Field(default_factory=SlurmSection)
+    launcher: Literal["auto", "slurm", "local"] = "auto"
+
+    @model_validator(mode="after")
+    def _feasible(self) -> "Config":
+        cap = self.slurm.gpus_per_node
+        for name in ("generator", "trainer"):
+            g: GroupSection = getattr(self, name)
+            need = g.tasks_per_node * g.gpus_per_task
+            if need > cap:
+                raise ValueError(
+                    f"{name}: tasks_per_node x gpus_per_task = {need} GPUs per node, but slurm.gpus_per_node is {cap}; "
+                    f"lower {name}.tasks_per_node or {name}.gpus_per_task, or raise slurm.gpus_per_node"
+                )
+        if self.generator.backend == "vllm" and self.generator.gpus_per_task < 1:
+            raise ValueError("generator.backend 'vllm' needs generator.gpus_per_task >= 1; use backend 'hf' on CPUs")
+        if self.trainer.backend == "megatron" and self.trainer.gpus_per_task < 1:
+            raise ValueError("trainer.backend 'megatron' needs trainer.gpus_per_task >= 1; use 'torch' or 'deepspeed' on CPUs")
+        if self.slurm.signal_lead_seconds >= self.slurm.time_seconds:
+            raise ValueError(
+                f"slurm.time ({self.slurm.time} = {self.slurm.time_seconds}s) must be longer than "
+                f"slurm.signal_lead_seconds ({self.slurm.signal_lead_seconds}s), or the warning would come before the job starts"
+            )
+        return self
+
+    # --- derived facts used by the launchers and the runtime -----------------
+    @property
+    def world_size(self) -> int:
+        return self.generator.ranks + self.trainer.ranks
+
+    def resolved(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def digest(self) -> str:
+        """SHA-256 of the resolved config (stable key order); names a run's identity."""
+        blob = json.dumps(self.resolved(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+
+# --- loading -----------------------------------------------------------------
+
+def _key_lines(node: yaml.Node, prefix: tuple = ()) -> dict[tuple, int]:
+    """Map each key path in a composed YAML tree to its 1-based line."""
+    lines: dict[tuple, int] = {}
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            path = prefix + (k.value,)
+            lines[path] = k.start_mark.line + 1
+            lines.update(_key_lines(v, path))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            path = prefix + (i,)
+            lines[path] = v.start_mark.line + 1
+            lines.update(_key_lines(v, path))
+    return lines
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'a.b.c=value' -> (['a','b','c'], value parsed as YAML, so 3 is int and [x] a list)."""
+    if "=" not in text:
+        raise ConfigError(f"--set '{text}': expected KEY.PATH=VALUE, e.g. --set algorithm.steps=5")
+    key, _, raw = text.partition("=")
+    path = [p for p in key.strip().split(".") if p]
+    if not path:
+        raise ConfigError(f"--set '{text}': the key is empty; write e.g. --set run.seed=3")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set '{text}': the value is not valid YAML ({exc})") from None
+    return path, value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set '{text}': '{part}' is not a section, so it has no key '{path[-1]}'")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def _format_validation(exc: ValidationError, source: str, lines: dict[tuple, int], overridden: set[tuple]) -> str:
+    out = [f"invalid config {source}:"]
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        field = ".".join(str(p) for p in loc) or "(top level)"
+        where = ""
+        # The value came from --set when the error's field is, contains or lies inside an overridden key.
+        if loc and any(loc[: len(o)] == o or o[: len(loc)] == loc for o in overridden):
+            where = " (from --set)"
+        else:
+            for i in range(len(loc), 0, -1):
+                if loc[:i] in lines:
+                    where = f" (line {lines[loc[:i]]})"
+                    break
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            parent = ".".join(str(p) for p in loc[:-1]) or "the top level"
+            msg = f"unknown key; remove it or check its spelling (see `rollout-hpc schema` for the keys of {parent})"
+        elif err["type"] == "missing":
+            msg = "required, but not given"
+        out.append(f"  {field}{where}: {msg}")
+    return "\n".join(out)
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read, override and validate a config. path None = all defaults (the quickstart)."""
+    overrides = overrides or []
+    lines: dict[tuple, int] = {}
+    if path is None:
+        data: Any = {}
+        source = "(defaults)"
+    else:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} not found; pass the path of a YAML file such as configs/quickstart.yaml")
+        text = p.read_text()
+        try:
+            node = yaml.compose(text)
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError(f"{p}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections (run:, model:, ...), not a {type(data).__name__}")
+        if node is not None:
+            lines = _key_lines(node)
+    data = apply_overrides(data, overrides)
+    overridden = {tuple(parse_override(o)[0]) for o in overrides}
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation(exc, source, lines, overridden)) from None
+
+
+def json_schema() -> dict:
+    return Config.model_json_schema()

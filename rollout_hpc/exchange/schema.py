@@ -1,0 +1,225 @@
+"""The trajectory record layout: one definition for the ring, the wire and the HDF5 log.
+
+A batch of trajectories is a table of fixed-size fields (`FIXED_DTYPE`, one
+row per trajectory) plus ragged token arrays stored flat; each row's lengths
+say which slice of the flat arrays is its own. Packing puts everything in one
+contiguous buffer behind a small header, so a batch moves as a single ring
+record or a single MPI message and is read back as numpy views, never pickled.
+
+Buffer layout (little endian, every section 8-byte aligned):
+
+    header   magic b"RHTB", layout u32, n_records u32, 6 x u64 section sizes, 4 pad bytes (64 bytes)
+    fixed    n_records x FIXED_DTYPE
+    prompt_ids     int32  (sum of prompt_len)
+    response_ids   int32  (sum of response_len)
+    logprobs       float32 (sum of response_len)   sampling log-probability of each response token
+    loss_mask      uint8  (sum of response_len)   1 = token the policy chose (0 = environment text in multi-turn)
+    turn_starts    int32  (sum of n_turns)        response offset where each turn begins
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+MAGIC = b"RHTB"
+LAYOUT_VERSION = 2  # 2: the header is padded to 64 bytes so every section starts 8-byte aligned
+
+FIXED_DTYPE = np.dtype(
+    [
+        ("prompt_id", "<u8"),  # index of the prompt in the task's data stream
+        ("sample_idx", "<u4"),  # sample within the prompt's group
+        ("gen_rank", "<u4"),  # world rank of the generator that produced it
+        ("policy_version", "<u8"),  # weight version that generated it
+        ("reward", "<f4"),
+        ("prompt_len", "<u4"),
+        ("response_len", "<u4"),
+        ("n_turns", "<u4"),
+        ("truncated", "u1"),  # response hit max_new_tokens
+        ("_pad", "u1", (7,)),
+        ("t_start", "<f8"),  # wall clock (time.time()) when generation began
+        ("t_end", "<f8"),  # when the reward was computed
+    ]
+)
+
+RAGGED = (
+    ("prompt_ids", np.int32, "prompt_len"),
+    ("response_ids", np.int32, "response_len"),
+    ("logprobs", np.float32, "response_len"),
+    ("loss_mask", np.uint8, "response_len"),
+    ("turn_starts", np.int32, "n_turns"),
+)
+
+_HEADER = struct.Struct("<4sII6Q4x")
+
+
+class LayoutError(ValueError):
+    """A buffer that is not a trajectory batch of a layout this code knows."""
+
+
+def _align8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def record_uid(prompt_id, sample_idx, group_size: int):
+    """Unique id of a trajectory in a run's data stream (works on arrays too)."""
+    return np.asarray(prompt_id, dtype=np.uint64) * np.uint64(group_size) + np.asarray(sample_idx, dtype=np.uint64)
+
+
+@dataclass
+class TrajectoryBatch:
+    fixed: np.ndarray  # FIXED_DTYPE, shape (n,)
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    logprobs: np.ndarray
+    loss_mask: np.ndarray
+    turn_starts: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.fixed)
+
+    # --- construction ----------------------------------------------------
+    @classmethod
+    def empty(cls) -> "TrajectoryBatch":
+        return cls(np.zeros(0, FIXED_DTYPE), *(np.zeros(0, dt) for _, dt, _ in RAGGED))
+
+    @classmethod
+    def from_records(cls, records: list[dict]) -> "TrajectoryBatch":
+        """Build from dicts with fixed fields plus ragged lists (missing ragged = empty,
+        missing loss_mask = all ones, missing turn_starts = one turn at 0)."""
+        fixed = np.zeros(len(records), FIXED_DTYPE)
+        flat: dict[str, list[np.ndarray]] = {name: [] for name, _, _ in RAGGED}
+        for i, r in enumerate(records):
+            prompt = np.asarray(r.get("prompt_ids", ()), np.int32)
+            resp = np.asarray(r.get("response_ids", ()), np.int32)
+            lp = np.asarray(r.get("logprobs", np.zeros(len(resp))), np.float32)
+            mask = np.asarray(r.get("loss_mask", np.ones(len(resp))), np.uint8)
+            turns = np.asarray(r.get("turn_starts", (0,)), np.int32)
+            if not (len(lp) == len(mask) == len(resp)):
+                raise ValueError(f"record {i}: logprobs, loss_mask and response_ids must have equal length")
+            for name in FIXED_DTYPE.names:
+                if name in r and not name.startswith("_"):
+                    fixed[i][name] = r[name]
+            fixed[i]["prompt_len"], fixed[i]["response_len"], fixed[i]["n_turns"] = len(prompt), len(resp), len(turns)
+            for name, arr in zip(("prompt_ids", "response_ids", "logprobs", "loss_mask", "turn_starts"), (prompt, resp, lp, mask, turns)):
+                flat[name].append(arr)
+        return cls(fixed, *(np.concatenate(flat[n]) if flat[n] else np.zeros(0, dt) for n, dt, _ in RAGGED))
+
+    @classmethod
+    def concat(cls, batches: list["TrajectoryBatch"]) -> "TrajectoryBatch":
+        if not batches:
+            return cls.empty()
+        return cls(
+            np.concatenate([b.fixed for b in batches]),
+            *(np.concatenate([getattr(b, name) for b in batches]) for name, _, _ in RAGGED),
+        )
+
+    # --- access ----------------------------------------------------------
+    def offsets(self, length_field: str) -> np.ndarray:
+        """Start offsets (n+1) of each row's slice for arrays sized by `length_field`."""
+        out = np.zeros(len(self.fixed) + 1, np.int64)
+        np.cumsum(self.fixed[length_field], out=out[1:])
+        return out
+
+    def record(self, i: int) -> dict:
+        """One trajectory as a dict of scalars and arrays (views)."""
+        row = self.fixed[i]
+        out = {name: row[name].item() for name in FIXED_DTYPE.names if not name.startswith("_")}
+        for name, _, length_field in RAGGED:
+            off = self.offsets(length_field)
+            out[name] = getattr(self, name)[off[i] : off[i + 1]]
+        return out
+
+    def select(self, index) -> "TrajectoryBatch":
+        """Rows `index` (indices or boolean mask) as a new batch."""
+        idx = np.arange(len(self))[index]
+        parts = {}
+        for name, _, length_field in RAGGED:
+            off = self.offsets(length_field)
+            arr = getattr(self, name)
+            parts[name] = np.concatenate([arr[off[i] : off[i + 1]] for i in idx]) if len(idx) else arr[:0].copy()
+        return TrajectoryBatch(self.fixed[idx].copy(), **parts)
+
+    def uids(self, group_size: int) -> np.ndarray:
+        return record_uid(self.fixed["prompt_id"], self.fixed["sample_idx"], group_size)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.fixed["prompt_len"].sum() + self.fixed["response_len"].sum())
+
+    # --- packing ---------------------------------------------------------
+    def _sections(self) -> list[np.ndarray]:
+        return [self.fixed] + [np.ascontiguousarray(getattr(self, name), dt) for name, dt, _ in RAGGED]
+
+    def packed_size(self) -> int:
+        return _HEADER.size + sum(_align8(s.nbytes) for s in self._sections())
+
+    def pack_into(self, buf) -> int:
+        """Write the packed batch into a writable buffer; returns bytes written."""
+        sections = self._sections()
+        size = _HEADER.size + sum(_align8(s.nbytes) for s in sections)
+        view = memoryview(buf).cast("B")
+        if len(view) < size:
+            raise ValueError(f"buffer of {len(view)} bytes is too small for a batch of {size} bytes")
+        _HEADER.pack_into(view, 0, MAGIC, LAYOUT_VERSION, len(self.fixed), *(s.nbytes for s in sections))
+        pos = _HEADER.size
+        for s in sections:
+            n = s.nbytes
+            view[pos : pos + n] = s.view(np.uint8).reshape(-1) if n else b""
+            pad = _align8(n) - n
+            if pad:
+                view[pos + n : pos + n + pad] = bytes(pad)
+            pos += _align8(n)
+        return size
+
+    def pack(self) -> bytearray:
+        buf = bytearray(self.packed_size())
+        self.pack_into(buf)
+        return buf
+
+    @staticmethod
+    def _check_header(view: memoryview) -> tuple[int, list[int]]:
+        """(n_records, section sizes) of a packed batch; LayoutError unless magic, layout and size agree."""
+        if len(view) < _HEADER.size:
+            raise LayoutError(f"truncated trajectory batch: {len(view)} bytes, the header alone needs {_HEADER.size}")
+        magic, layout, n, *sizes = _HEADER.unpack_from(view, 0)
+        if magic != MAGIC:
+            raise LayoutError(f"not a trajectory batch (magic {magic!r}, expected {MAGIC!r})")
+        if layout != LAYOUT_VERSION:
+            raise LayoutError(
+                f"trajectory batch layout version {layout}; this rollout-hpc reads version {LAYOUT_VERSION} "
+                "(were generators and trainers started from different installs?)"
+            )
+        need = _HEADER.size + sum(_align8(s) for s in sizes)
+        if len(view) < need:
+            raise LayoutError(f"truncated trajectory batch: {len(view)} bytes, its header says {need}")
+        if sizes[0] != n * FIXED_DTYPE.itemsize:
+            raise LayoutError(f"corrupt trajectory batch: {n} records but {sizes[0]} bytes of fixed fields")
+        return n, sizes
+
+    @classmethod
+    def peek(cls, buf) -> tuple[int, int]:
+        """(n_records, n_tokens) from the header alone (a cheap check for code that only routes batches;
+        `unpack` checks every length as well)."""
+        view = memoryview(buf).cast("B")
+        n, sizes = cls._check_header(view)
+        return n, (sizes[1] + sizes[2]) // 4  # prompt_ids + response_ids, int32 each
+
+    @classmethod
+    def unpack(cls, buf) -> "TrajectoryBatch":
+        """Read a packed batch; arrays are views into `buf` (copy them to keep them past its life)."""
+        view = memoryview(buf).cast("B")
+        n, sizes = cls._check_header(view)
+        arrays = []
+        pos = _HEADER.size
+        for size, dt in zip(sizes, [FIXED_DTYPE] + [dt for _, dt, _ in RAGGED]):
+            arrays.append(np.frombuffer(view, dtype=dt, count=size // np.dtype(dt).itemsize, offset=pos))
+            pos += _align8(size)
+        batch = cls(*arrays)
+        for name, _, length_field in RAGGED:
+            expect = int(batch.fixed[length_field].sum())
+            if len(getattr(batch, name)) != expect:
+                raise LayoutError(f"corrupt trajectory batch: {name} has {len(getattr(batch, name))} entries, lengths say {expect}")
+        return batch

@@ -1,0 +1,114 @@
+"""The local launcher: the Slurm job's rank layout under `mpirun`, in the foreground.
+
+mpirun's MPMD form gives each emulated node its own app context, so every rank knows its node
+from ROLLOUT_NODE (gen0, gen1, ..., train0, ...) exactly as a Slurm rank knows it from its host.
+World ranks are ordered like `srun --het-group=0,1`: all generator ranks first.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from rollout_hpc.config import Config, UserError
+from rollout_hpc.launch import rundir
+
+# Signals the foreground process passes on to mpirun; mpirun forwards USR1/USR2 to every rank
+# and ends the job on INT/TERM.
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+ENTRY = ["-m", "rollout_hpc.runtime.entry"]
+
+
+def require_mpirun() -> str:
+    path = shutil.which("mpirun")
+    if path is None:
+        raise UserError(
+            "the local launcher needs `mpirun` (Open MPI) on PATH; install openmpi-bin, "
+            "or submit to Slurm with launcher: slurm"
+        )
+    return path
+
+
+def mpirun_command(cfg: Config, run_dir: Path, python: str = sys.executable) -> list[str]:
+    """One app context per emulated node: generator nodes, then trainer nodes."""
+    # Ranks outnumber cores on a workstation; binding them would pile them onto a few cores.
+    cmd = [require_mpirun(), "--oversubscribe", "--bind-to", "none"]
+    nodes = [(f"gen{i}", cfg.generator.tasks_per_node) for i in range(cfg.generator.nodes)]
+    nodes += [(f"train{i}", cfg.trainer.tasks_per_node) for i in range(cfg.trainer.nodes)]
+    for index, (node, tasks) in enumerate(nodes):
+        if index:
+            cmd.append(":")
+        cmd += ["-np", str(tasks), "-x", f"ROLLOUT_NODE={node}", python, *ENTRY, "--run-dir", str(run_dir)]
+    return cmd
+
+
+def launch_env() -> dict[str, str]:
+    # Not PYTHONUNBUFFERED: it splits a print into two writes, which mpirun may interleave across ranks.
+    env = dict(os.environ, ROLLOUT_LAUNCHER="local")
+    if os.geteuid() == 0:  # Open MPI refuses root unless told it is intended
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return env
+
+
+def run_local(cfg: Config, run_dir: Path, console: Console | None = None) -> int:
+    """Run the job in the foreground, streaming rank output to the console and logs/local-<n>.out.
+
+    Returns mpirun's exit code (128 + N when it died of signal N).
+    """
+    console = console or Console()
+    cmd = mpirun_command(cfg, run_dir)
+    manifest = rundir.read_manifest(run_dir)
+    log_path = run_dir / rundir.LOGS / f"local-{len(manifest.get('local_runs', []))}.out"
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=launch_env(),
+        start_new_session=True,  # a terminal's Ctrl-C reaches us only; we pass it on once
+    )
+    run_record = {"pid": proc.pid, "host": os.uname().nodename, "started": rundir.now_utc(),
+                  "log": str(log_path), "exit_code": None}
+    rundir.update_manifest(run_dir, lambda m: m.setdefault("local_runs", []).append(run_record))
+
+    terms = []
+
+    def forward(signum: int, _frame: object) -> None:
+        if proc.poll() is None:
+            if signum == signal.SIGTERM and not terms:
+                # mpirun would end the ranks on TERM; as USR1 it reaches every rank, which checkpoints and
+                # exits 75 like a Slurm job told to stop. A second TERM ends the job outright.
+                terms.append(signum)
+                signum = signal.SIGUSR1
+            proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    ranks = cfg.world_size
+    try:
+        with open(log_path, "ab") as log, console.status(
+            f"[bold]mpirun[/]: {ranks} ranks ({cfg.generator.nodes}x{cfg.generator.tasks_per_node} generator, "
+            f"{cfg.trainer.nodes}x{cfg.trainer.tasks_per_node} trainer) in {run_dir}"
+        ):
+            assert proc.stdout is not None
+            for raw in proc.stdout:
+                log.write(raw)
+                log.flush()
+                console.print(raw.decode(errors="replace").rstrip("\n"), markup=False, highlight=False, soft_wrap=True)
+            code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if proc.poll() is None:  # we are leaving early (an exception): do not orphan the ranks
+            proc.terminate()
+            proc.wait()
+    exit_code = 128 - code if code < 0 else code
+
+    def finish(manifest: dict) -> None:
+        for record in manifest.get("local_runs", []):
+            if record.get("pid") == proc.pid and record.get("exit_code") is None:
+                record.update(exit_code=exit_code, ended=rundir.now_utc())
+
+    rundir.update_manifest(run_dir, finish)
+    return exit_code

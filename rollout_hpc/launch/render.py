@@ -1,0 +1,159 @@
+"""Render the job script: slurm/directives.j2 fills the blocks of slurm/rollout.sbatch from a config.
+
+The base template is itself a valid sbatch script (its '#%' template lines are bash comments), so
+`sbatch slurm/rollout.sbatch` works without the CLI; the CLI only replaces the #SBATCH directives,
+the environment block and the job step's srun/exec prefix arrays.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jinja2
+
+from rollout_hpc import __version__
+from rollout_hpc.config import Config, GroupSection, UserError
+
+BASE_TEMPLATE = "rollout.sbatch"
+CONFIG_TEMPLATE = "directives.j2"
+
+
+def template_dir() -> Path:
+    """slurm/ of this checkout, or $ROLLOUT_TEMPLATES for an installation elsewhere."""
+    override = os.environ.get("ROLLOUT_TEMPLATES")
+    path = Path(override) if override else Path(__file__).resolve().parents[2] / "slurm"
+    if not (path / BASE_TEMPLATE).is_file():
+        raise UserError(
+            f"the job script template {path / BASE_TEMPLATE} is missing; "
+            "set ROLLOUT_TEMPLATES to the directory holding rollout.sbatch and directives.j2"
+        )
+    return path
+
+
+def template_env() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(template_dir())),
+        # '#%' lines are bash comments, so the base template stays a runnable script.
+        line_statement_prefix="#%",
+        # bash's ${#array[@]} must not open a Jinja comment.
+        comment_start_string="{##",
+        comment_end_string="##}",
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+    )
+    env.filters["sh"] = lambda value: shlex.quote(str(value))
+    return env
+
+
+@dataclass
+class Component:
+    """One het component: the role it hosts and its #SBATCH options."""
+
+    role: str
+    options: list[str] = field(default_factory=list)
+
+
+def step_python(cfg: Config) -> str:
+    """The interpreter of the job step: the config's, else python3 in a container, else ours."""
+    if cfg.slurm.python:
+        return cfg.slurm.python
+    return "python3" if cfg.slurm.container else sys.executable
+
+
+def _check_path(run_dir: Path) -> None:
+    # #SBATCH lines are not shell-quoted by sbatch, and '%' is a filename pattern there.
+    if re.search(r"[\s%]", str(run_dir)):
+        raise UserError(
+            f"the run directory '{run_dir}' contains a space or '%', which #SBATCH --output cannot hold; "
+            "set run.dir (or run.name) to a path without them"
+        )
+
+
+def _group_options(cfg: Config, group: GroupSection) -> list[str]:
+    s = cfg.slurm
+    opts = [f"--nodes={group.nodes}", f"--ntasks-per-node={group.tasks_per_node}", f"--cpus-per-task={group.cpus_per_task}"]
+    if group.gpus_per_task:
+        if s.gpu_request == "gres":
+            opts.append(f"--gres=gpu:{group.gpus_per_task * group.tasks_per_node}")
+        else:
+            opts.append(f"--gpus-per-task={group.gpus_per_task}")
+    if group.mem:
+        opts.append(f"--mem={group.mem}")
+    for name, value in (
+        ("partition", group.partition or s.partition),
+        ("account", s.account),
+        ("qos", s.qos),
+        ("constraint", group.constraint or s.constraint),
+    ):
+        if value:
+            opts.append(f"--{name}={value}")
+    opts.append(f"--time={s.time}")
+    return opts
+
+
+def components(cfg: Config, run_dir: Path) -> list[Component]:
+    """Component 0 = generators (with the job-wide options), component 1 = trainers."""
+    job_wide = [
+        f"--job-name={cfg.run.name}",
+        f"--signal=B:USR1@{cfg.slurm.signal_lead_seconds}",
+        "--requeue",
+        "--open-mode=append",
+        f"--output={run_dir}/logs/slurm-%j.out",
+        f"--error={run_dir}/logs/slurm-%j.err",
+        *cfg.slurm.extra_sbatch,
+    ]
+    return [
+        Component("generator", job_wide[:1] + _group_options(cfg, cfg.generator) + job_wide[1:]),
+        Component("trainer", _group_options(cfg, cfg.trainer)),
+    ]
+
+
+def _step_prefixes(cfg: Config) -> tuple[list[str], list[str]]:
+    """(extra srun options, command before python) for the container runtime, if any."""
+    c = cfg.slurm.container
+    if c is None:
+        return [], []
+    if c.runtime == "pyxis":
+        srun_args = [f"--container-image={c.image}"]
+        if c.mounts:
+            srun_args.append(f"--container-mounts={','.join(c.mounts)}")
+        return srun_args, []
+    prefix = ["apptainer", "exec"]
+    if cfg.generator.gpus_per_task or cfg.trainer.gpus_per_task:
+        prefix.append("--nv")
+    for mount in c.mounts:
+        prefix += ["--bind", mount]
+    return [], prefix + [c.image]
+
+
+def render_script(cfg: Config, run_dir: Path, source: str = "(defaults)") -> str:
+    """The job script for cfg, with its run directory fixed to run_dir (made absolute)."""
+    run_dir = Path(os.path.abspath(run_dir))
+    _check_path(run_dir)
+    srun_args, exec_prefix = _step_prefixes(cfg)
+    return template_env().get_template(CONFIG_TEMPLATE).render(
+        version=__version__,
+        source=source,
+        digest=cfg.digest(),
+        components=components(cfg, run_dir),
+        run_dir=run_dir,
+        python=step_python(cfg),
+        mpi=cfg.slurm.mpi,
+        max_requeues=cfg.slurm.max_requeues,
+        modules=cfg.slurm.modules,
+        env=cfg.slurm.env,
+        srun_args=srun_args,
+        exec_prefix=exec_prefix,
+    )
+
+
+def render_base() -> str:
+    """The base template rendered with no overrides: the script `sbatch slurm/rollout.sbatch` runs."""
+    return template_env().get_template(BASE_TEMPLATE).render()

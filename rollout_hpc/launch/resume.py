@@ -1,0 +1,142 @@
+"""Continuing a run in a new allocation (or a local run) from its newest valid checkpoint.
+
+`plan_resume` checks everything before anything is launched: the run directory is a run
+(manifest.json), no job or local run of it is still going (two writers of one run directory
+would interleave checkpoints and the trajectory log), the newest checkpoint verifies (a
+damaged newer one is moved aside as `<name>.damaged` with one line saying so, so that the
+ranks, which load the newest valid checkpoint themselves, and later prunes agree on it), and
+the checkpoint was written under a compatible config (store.checkpoint.check_compatible).
+
+`--set` overrides apply on top of the run's config.resolved.yaml; `apply_plan` writes the new
+resolved config (and re-renders job.sbatch) only once the plan was accepted. `--force` reaches
+the ranks as ROLLOUT_RESUME_FORCE=1 in their environment (runtime/checkpointing.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from rollout_hpc.config import Config, UserError, load_config
+from rollout_hpc.launch import rundir
+
+FORCE_ENV = "ROLLOUT_RESUME_FORCE"
+DAMAGED_SUFFIX = ".damaged"
+
+
+@dataclass
+class ResumePlan:
+    run_dir: Path
+    cfg: Config
+    overrides: list[str]
+    step: int = 0                   # steps already done (0: no checkpoint yet, start from the beginning)
+    policy_version: int | None = None
+    checkpoint: Path | None = None
+    config_changes: list[str] = field(default_factory=list)   # every key that differs from the checkpoint's config
+    damaged: list[str] = field(default_factory=list)          # one line per damaged checkpoint moved aside
+    force: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.step >= self.cfg.algorithm.steps
+
+
+def live_jobs(run_dir: Path, manifest: dict) -> list[str]:
+    """Jobs and local runs of the run that have not ended, as 'job 123 (RUNNING)' / 'local run pid 4 (RUNNING)'."""
+    from rollout_hpc.commands.status import local_state
+    from rollout_hpc.launch.status import ENDED, job_states
+
+    live = []
+    for job_id in manifest.get("job_ids", []):
+        states = {c.state for c in job_states(job_id)}
+        if not states <= ENDED:
+            live.append(f"job {job_id} ({', '.join(sorted(states))})")
+    for record in manifest.get("local_runs", []):
+        state = local_state(record)
+        if state.startswith("RUNNING"):
+            live.append(f"local run pid {record.get('pid')} ({state})")
+    return live
+
+
+def newest_valid_checkpoint(run_dir: Path, move_aside: bool = True) -> tuple[object, dict, list[str]] | None:
+    """(CheckpointInfo, meta, damaged lines) of the newest checkpoint that verifies; damaged newer ones are moved aside.
+
+    A sharded checkpoint is verified through shard 0 (every shard's checksum attribute is checked too)."""
+    from rollout_hpc.store.checkpoint import CheckpointCorrupt, checkpoint_dir, list_checkpoints, load_checkpoint
+
+    damaged = []
+    for info in reversed(list_checkpoints(run_dir)):
+        try:
+            _, _, meta = load_checkpoint(info, shard=0 if info.sharded else None)
+        except CheckpointCorrupt as exc:
+            aside = info.path.with_name(info.path.name + DAMAGED_SUFFIX)
+            if move_aside:
+                os.replace(info.path, aside)
+            damaged.append(f"skipping damaged checkpoint {exc}; {'moved' if move_aside else 'would move'} it to {aside.name}")
+            continue
+        return info, meta, damaged
+    if damaged:
+        raise UserError(
+            f"every checkpoint in {checkpoint_dir(run_dir)} is damaged ({'; '.join(damaged)}); "
+            "restore a copy, or start the run afresh with `rollout-hpc submit`"
+        )
+    return None
+
+
+def plan_resume(run_dir: Path, overrides: list[str], force: bool = False, dry_run: bool = False) -> ResumePlan:
+    from rollout_hpc.store.checkpoint import check_compatible
+
+    run_dir = Path(os.path.abspath(run_dir))
+    manifest = rundir.read_manifest(run_dir)  # UserError: not a run directory
+    resolved = run_dir / rundir.RESOLVED_CONFIG
+    if not resolved.is_file():
+        raise UserError(f"{resolved} is missing: {run_dir} is not a complete run directory; restore it from config.yaml "
+                        f"(`rollout-hpc render`), or start a new run")
+    live = live_jobs(run_dir, manifest)
+    if live:
+        raise UserError(
+            f"run {run_dir} is still going: {', '.join(live)}. Wait for it to end (`rollout-hpc status {run_dir}`) "
+            f"or stop it first (`rollout-hpc cancel {run_dir}`); two jobs must not write one run directory"
+        )
+    cfg = load_config(resolved, overrides)
+    plan = ResumePlan(run_dir, cfg, list(overrides), force=force)
+    found = newest_valid_checkpoint(run_dir, move_aside=not dry_run)
+    if found is None:
+        return plan
+    info, meta, plan.damaged = found
+    plan.step, plan.checkpoint = info.step, info.path
+    plan.policy_version = meta.get("policy_version")
+    try:
+        plan.config_changes = check_compatible(meta, cfg, force=force)
+    except UserError as exc:
+        raise UserError(f"cannot resume from {info.path.name}: {exc}") from None
+    return plan
+
+
+def apply_plan(plan: ResumePlan, launcher: str) -> None:
+    """Write what the new allocation reads: the resolved config (with the overrides) and, for Slurm, its job script."""
+    from rollout_hpc.launch.render import render_script
+
+    path = plan.run_dir / rundir.RESOLVED_CONFIG
+    text = yaml.safe_dump(plan.cfg.resolved(), sort_keys=False)
+    if plan.overrides:
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    script = plan.run_dir / rundir.JOB_SCRIPT
+    if launcher == "slurm" and (plan.overrides or not script.is_file()):
+        manifest = rundir.read_manifest(plan.run_dir)
+        script.write_text(render_script(plan.cfg, plan.run_dir, manifest.get("config_source") or "(defaults)"))
+
+    def record(manifest: dict) -> None:
+        manifest["config_digest"] = plan.cfg.digest()
+        manifest.setdefault("resumes", []).append({
+            "at": rundir.now_utc(), "launcher": launcher, "from_step": plan.step,
+            "checkpoint": plan.checkpoint.name if plan.checkpoint else None, "overrides": plan.overrides,
+            "forced_changes": plan.config_changes if plan.force else [], "damaged": plan.damaged,
+        })
+
+    rundir.update_manifest(plan.run_dir, record)

@@ -1,0 +1,71 @@
+"""The policy model: a local Hugging Face causal-LM directory, or the built-in tiny
+Llama made from cfg.model with random weights (deterministic given a seed).
+Nothing is ever downloaded: HF_HUB_OFFLINE=1 and local_files_only=True."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from rollout_hpc.config import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ConfigError, ValueError):
+    """model.path is not a loadable causal-LM directory; the message says why and what to do."""
+
+
+def tiny_config(model_cfg, vocab_size: int, pad_id: int = 0, bos_id: int = 1, eos_id: int = 2):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=model_cfg.hidden_size,
+        intermediate_size=4 * model_cfg.hidden_size,
+        num_hidden_layers=model_cfg.num_layers,
+        num_attention_heads=model_cfg.num_heads,
+        num_key_value_heads=model_cfg.num_heads,
+        max_position_embeddings=model_cfg.max_seq_len,
+        tie_word_embeddings=True,
+        pad_token_id=pad_id,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+    )
+
+
+def build_model(model_cfg, vocab_size: int, seed: int = 0) -> torch.nn.Module:
+    """cfg.model -> a causal LM (eval mode is the caller's choice). For the built-in model
+    `vocab_size` comes from the tokenizer; for model.path it is only checked."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    dtype = DTYPES[model_cfg.dtype]
+    if model_cfg.path is None:
+        from transformers import LlamaForCausalLM
+
+        config = tiny_config(model_cfg, vocab_size)
+        # Own RNG stream: the same seed gives the same weights whatever ran before.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = LlamaForCausalLM(config)
+        return model.to(dtype)
+    return _load_pretrained(Path(model_cfg.path), dtype, vocab_size)
+
+
+def _load_pretrained(path: Path, dtype: torch.dtype, vocab_size: int) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if not path.is_dir():
+        raise ModelLoadError(f"model.path {path} is not a directory; point it at a local Hugging Face model "
+                             "(a folder with config.json and weights) or remove model.path for the built-in tiny model")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model.path {path} has no config.json, so it is not a Hugging Face model directory")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"model.path {path}: could not load a causal LM: {exc}") from None
+    emb = model.get_input_embeddings().num_embeddings
+    if vocab_size > emb:
+        raise ModelLoadError(f"model.path {path}: the tokenizer has {vocab_size} tokens but the model embeds only {emb}")
+    return model

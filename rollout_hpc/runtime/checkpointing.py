@@ -1,0 +1,110 @@
+"""When the trainer loop checkpoints, and resuming from the newest valid checkpoint.
+
+Checkpoints are taken at step boundaries only: every checkpoint.every_steps
+steps, every checkpoint.every_minutes, and when SIGUSR1 or SIGTERM arrives
+(Slurm's warning before the time limit, or scancel). A signal handler only
+sets a flag; the loop finishes its step, saves, and stops cleanly. The stop
+decision is agreed over the trainer group so every rank stops at the same step.
+
+The files themselves are written by rollout_hpc.store.checkpoint (HDF5,
+atomic, verified on load).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from rollout_hpc.config import ConfigError
+from rollout_hpc.launch import EXIT_CONTINUE
+from rollout_hpc.store import checkpoint as store
+
+# Stopped on a signal after checkpointing: "continue in a new allocation" (the batch script requeues).
+EXIT_PREEMPTED = EXIT_CONTINUE
+
+
+_stop = threading.Event()
+
+
+def install_stop_handlers() -> None:
+    """SIGUSR1 / SIGTERM only set a flag (on every rank: USR1's default action would kill it).
+    Trainers act on it at the next step boundary; generators stop when the trainers close the weight stream."""
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: _stop.set())
+
+
+class Checkpointer:
+    def __init__(self, world, cfg, run_dir: Path):
+        self.world = world
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.stop_requested = False
+        self._last_save = time.monotonic()
+        self.store = store
+        install_stop_handlers()
+
+    def due(self, steps_done: int) -> bool:
+        """Whether to checkpoint now (after `steps_done` steps). Collective over the trainer group."""
+        c = self.cfg.checkpoint
+        periodic = c.every_steps > 0 and steps_done % c.every_steps == 0
+        timed = c.every_minutes > 0 and time.monotonic() - self._last_save >= 60 * c.every_minutes
+        final = steps_done == self.cfg.algorithm.steps
+        flags = np.array([_stop.is_set(), periodic or timed or final], np.int8)
+        flags = self.world.group_comm.allreduce(flags)  # any rank signalled -> all stop together
+        self.stop_requested = bool(flags[0])
+        return bool(flags[0] or flags[1])
+
+    def save(self, trainer, steps_done: int) -> None:
+        """Checkpoint after `steps_done` steps. Collective over the trainer group."""
+        store, g = self.store, self.world.group_comm
+        state = trainer.state_dict_for_checkpoint()
+        # The data cursor is the step: step s always trains on prompts [s*P, (s+1)*P), and sample k of
+        # prompt i is seeded from (run.seed, i, k), so nothing else is needed to continue as if never stopped.
+        state["loop"] = {"step": steps_done, "policy_version": steps_done}
+        meta = {**store.config_meta(self.cfg), "policy_version": steps_done, "backend": self.cfg.trainer.backend}
+        keep = self.cfg.checkpoint.keep_last
+        path = None
+        if trainer.sharded_checkpoint:
+            entry = store.save_shard(self.run_dir, steps_done, self.world.group_rank, self.world.group_size, state, meta)
+            entries = g.gather(entry, root=0)
+            if self.world.group_rank == 0:
+                path = store.commit_shards(self.run_dir, steps_done, entries, meta, keep_last=keep)
+        elif self.world.group_rank == 0:
+            path = store.save_checkpoint(self.run_dir, steps_done, state, meta, keep_last=keep)
+        g.Barrier()
+        self._last_save = time.monotonic()
+        if path is not None and self.stop_requested:
+            print(f"rollout-hpc: stop requested: saved {path} after step {steps_done}; a resume continues from there",
+                  file=sys.stderr, flush=True)
+
+    def resume(self, trainer) -> int:
+        """Load the newest valid checkpoint into `trainer`; returns the steps already done (0 if none).
+        Collective over the trainer group."""
+        store, g = self.store, self.world.group_comm
+        shard = self.world.group_rank if trainer.sharded_checkpoint else None
+        if trainer.sharded_checkpoint or self.world.group_rank == 0:
+            found = store.load_latest_valid(self.run_dir, shard=shard)
+        else:
+            found = None
+        step = g.bcast(None if found is None else int(found[1]["loop"]["step"]), root=0)
+        if step is None:
+            return 0
+        if found is not None:
+            try:
+                # `rollout-hpc resume --force` accepted a model/algorithm change (launch/resume.py).
+                store.check_compatible(found[2], self.cfg, force=os.environ.get("ROLLOUT_RESUME_FORCE") == "1")
+            except store.ConfigMismatch as exc:
+                raise ConfigError(f"{found[0]}: {exc}") from None
+        if not trainer.sharded_checkpoint:
+            # Replicated backend: rank 0 read the file; the others take the same state from it.
+            found = g.bcast(found, root=0)
+        trainer.load_checkpoint_state(found[1])
+        if self.world.group_rank == 0:
+            print(f"rollout-hpc: resumed from {found[0]} (after step {step})", file=sys.stderr, flush=True)
+        return step

@@ -1,0 +1,108 @@
+"""Per-step training metrics: the progress line and where the numbers are stored.
+
+Trainer group rank 0 prints one line per step and writes the metrics (and the
+step's trajectories) to the run's HDF5 trajectory log (rollout_hpc.store.trajlog).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from rollout_hpc.exchange.schema import TrajectoryBatch
+
+# Fields of the progress line: (metric key, label, format). Names follow store.trajlog.STANDARD_METRICS.
+_LINE = (
+    ("reward_mean", "reward", "{:.3f}"),
+    ("reward_std", "±", "{:.2f}"),
+    ("response_len_mean", "len", "{:.1f}"),
+    ("kl", "kl", "{:.4f}"),
+    ("entropy", "ent", "{:.2f}"),
+    ("clip_frac", "clip", "{:.2f}"),
+    ("staleness_max", "stale", "{:.0f}"),
+    ("gen_time", "gen", "{:.2f}s"),
+    ("idle_time", "wait", "{:.2f}s"),
+    ("train_time", "train", "{:.2f}s"),
+    ("sync_time", "sync", "{:.2f}s"),
+    ("tokens_per_s", "tok/s", "{:.0f}"),
+)
+
+
+def batch_metrics(batch: TrajectoryBatch, step: int) -> dict[str, float]:
+    """What the records of one step say (rewards, lengths, staleness, generation time)."""
+    f = batch.fixed
+    rewards = f["reward"].astype(np.float64)
+    lengths = f["response_len"].astype(np.float64)
+    stale = step - f["policy_version"].astype(np.int64)
+    return {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "reward_min": float(rewards.min()),
+        "reward_max": float(rewards.max()),
+        "response_len_mean": float(lengths.mean()),
+        "response_len_max": float(lengths.max()),
+        "truncated_frac": float(f["truncated"].mean()),
+        "staleness_max": float(stale.max()),
+        "staleness_mean": float(stale.mean()),
+        "gen_time": float(f["t_end"].max() - f["t_start"].min()),  # first sample started -> last reward done
+        "samples": float(len(batch)),
+        "tokens": float(f["response_len"].sum() + f["prompt_len"].sum()),
+        "response_tokens": float(f["response_len"].sum()),
+    }
+
+
+def progress_line(step: int, steps: int, m: dict[str, float]) -> str:
+    parts = [f"step {step + 1}/{steps}"]
+    for key, label, fmt in _LINE:
+        if key in m:
+            value = fmt.format(m[key])
+            if label == "±":
+                parts[-1] += f" ±{value}"  # "reward 0.42 ±0.31"
+            else:
+                parts.append(f"{label} {value}")
+    return "  ".join(parts)
+
+
+class MetricsSink:
+    """Appends each step's trajectories and metrics to RUN_DIR/trajectories.h5 and prints the progress line.
+    Only trainer group rank 0 owns one."""
+
+    FLUSH_EVERY = 10
+
+    def __init__(self, run_dir: Path, cfg, steps_done: int, quiet: bool = False):
+        from rollout_hpc.store.trajlog import TrajectoryLog
+
+        self.quiet = quiet
+        meta = {
+            "run_name": cfg.run.name,
+            "group_size": cfg.algorithm.group_size,
+            "max_new_tokens": cfg.algorithm.max_new_tokens,
+            "max_staleness": cfg.exchange.max_staleness,
+            "algorithm": cfg.algorithm.name,
+            "config_digest": cfg.digest(),
+        }
+        # Steps logged after the checkpoint we start from were lost with the old allocation and
+        # are redone: drop them (step indices are 0-based, so the last kept one is steps_done - 1).
+        self.log = TrajectoryLog.open_for_append(Path(run_dir), meta, resume_step=steps_done - 1)
+
+    def write(self, step: int, steps: int, batch: TrajectoryBatch, metrics: dict[str, float]) -> None:
+        self.log.append(batch, step)
+        # Durable every FLUSH_EVERY steps (and at close), not every step: an HDF5 flush costs
+        # milliseconds on the trainer's critical path, and steps lost in a crash are redone from
+        # the last checkpoint anyway (resume truncates the log to it).
+        self.log.append_metrics(step, metrics, flush=(step + 1) % self.FLUSH_EVERY == 0)
+        if not self.quiet:
+            print(progress_line(step, steps, {"step": step, **metrics}), file=sys.stdout, flush=True)
+
+    def close(self) -> None:
+        self.log.flush()
+        self.log.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, float]]:
+    """The per-step metrics of a run, in step order (a replayed step keeps its last row)."""
+    from rollout_hpc.store.trajlog import log_path, read_metrics as read_log_metrics
+
+    return read_log_metrics(log_path(run_dir))

@@ -1,0 +1,154 @@
+"""The trainer ranks' side of the RL loop.
+
+Per step s: receive the step's P x group_size records (each trainer rank takes
+its share from the exchange, then the group allgathers so every rank sees the
+whole step), sort them by uid, enforce max_staleness, compute advantages on
+the whole batch, train each rank on its slice of prompt groups (gradients are
+averaged by the backend), publish weights version s+1, log, and checkpoint at
+the step boundary when due or when a signal asked for it.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rollout_hpc import algos
+from rollout_hpc.backends.trainer import make_trainer, model_logits, token_logprobs
+from rollout_hpc.exchange.schema import TrajectoryBatch
+from rollout_hpc.runtime import batching, checkpointing
+from rollout_hpc.runtime.critic import Critic, PolicyAndCritic
+from rollout_hpc.runtime.metrics import MetricsSink, batch_metrics
+
+
+class StepReceiver:
+    """Collects exactly one step's records on every trainer rank.
+
+    Records of a step can arrive at any trainer rank of any node (the exchange
+    balances batches over trainer nodes, and ranks of a node share its ring),
+    and records of later steps can arrive early (max_staleness > 0, or one
+    generator running ahead of another). So each rank takes what it has, the
+    group allgathers it into a pool that is identical on every rank, and a step
+    is handed out once the pool holds all its prompts; later records wait there.
+    """
+
+    def __init__(self, exchange, world, prompts_per_step: int, group_size: int, poll_s: float = 0.02):
+        self.exchange, self.world = exchange, world
+        self.P, self.G = prompts_per_step, group_size
+        self.poll_s = poll_s
+        self.pool = TrajectoryBatch.empty()
+
+    def _in_step(self, step: int) -> np.ndarray:
+        pid = self.pool.fixed["prompt_id"]
+        return (pid >= step * self.P) & (pid < (step + 1) * self.P)
+
+    def get(self, step: int) -> TrajectoryBatch:
+        need = self.P * self.G
+        while (have := int(self._in_step(step).sum())) < need:
+            if self.world.group_size == 1:
+                new = [self.exchange.get(need - have)]  # blocks until that many more arrived
+            else:
+                mine = self.exchange.get_available(need, timeout=self.poll_s)
+                new = [TrajectoryBatch.unpack(b) for b in self.world.group_comm.allgather(bytes(mine.pack()))]
+            if not sum(len(b) for b in new) and self.exchange.ended:
+                raise batching.StalenessError(f"step {step}: the generators ended the stream with {have} of {need} records sent")
+            self.pool = TrajectoryBatch.concat([self.pool, *new])
+        rows = self._in_step(step)
+        batch, self.pool = self.pool.select(rows), self.pool.select(~rows)
+        return batch
+
+
+class Reference:
+    """The frozen initial policy, for KL to reference (only built when algorithm.kl_coef > 0)."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, temperature: float):
+        self.model = model.to(device).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.device = device
+        self.temperature = temperature
+
+    @torch.no_grad()
+    def logprobs(self, input_ids, attention_mask) -> torch.Tensor:
+        ids = input_ids.to(self.device)
+        logits = model_logits(self.model, ids, attention_mask.to(self.device))
+        return token_logprobs(logits, ids, self.temperature)[0].cpu()
+
+
+def run_trainer(world, cfg, run_dir: Path, model: torch.nn.Module, exchange, weights, quiet: bool = False) -> int:
+    a = cfg.algorithm
+    spec = algos.get_algorithm(a.name)
+    initial = copy.deepcopy(model) if a.kl_coef > 0 else None  # before a backend shards or moves the model
+    critic = Critic(cfg, model, world) if spec.needs_critic else None  # from the initial policy, like `initial`
+    trainer = make_trainer(cfg, model, world)
+    reference = Reference(initial, trainer.device, a.temperature) if initial is not None else None
+    loss_fn = batching.make_loss_fn(cfg)
+    ckpt = checkpointing.Checkpointer(world, cfg, run_dir)
+    checkpointed = PolicyAndCritic(trainer, critic) if critic else trainer
+    start = ckpt.resume(checkpointed)  # 0 for a fresh run
+    is_logger = world.group_rank == 0
+    sink = MetricsSink(run_dir, cfg, steps_done=start, quiet=quiet) if is_logger else None
+    receiver = StepReceiver(exchange, world, a.prompts_per_step, a.group_size)
+    sync = weights.publish(start, trainer.full_weights())  # generators start from exactly these weights
+    exit_code = 0
+    try:
+        t_prev = time.perf_counter()
+        for step in range(start, a.steps):
+            t0 = time.perf_counter()
+            batch = receiver.get(step)
+            t_got, t_got_wall = time.perf_counter(), time.time()
+            batch = batching.sort_by_uid(batch, a.group_size)
+            batching.check_complete(batch, step, a.prompts_per_step, a.group_size)
+            batching.check_staleness(batch, step, cfg.exchange.max_staleness)
+
+            tensors = batching.collate(batch)
+            ref_lp = reference.logprobs(tensors["input_ids"], tensors["attention_mask"]) if reference else None
+            values = critic.values(tensors["input_ids"], tensors["attention_mask"]) if critic else None
+            adv_stats = batching.add_advantages(cfg, tensors, ref_lp, values)
+            rows = batching.shard_groups(len(batch), a.group_size, world.group_rank, world.group_size)
+            mine = batching.select_rows(tensors, rows)
+            stats = trainer.train_step(mine, loss_fn)
+            if critic:
+                stats.update(critic.train_step(mine))
+            t_trained = time.perf_counter()
+
+            sync = weights.publish(step + 1, trainer.full_weights())
+            t_synced = time.perf_counter()
+
+            if is_logger:
+                m = batch_metrics(batch, step)
+                m.update(adv_stats)
+                m.update(stats)
+                period = t_synced - t_prev  # the whole loop iteration, logging and checkpointing of the last included
+                m.update(
+                    idle_time=t_got - t0,  # waiting for the step's experience
+                    # last record scored -> step complete on the trainer (reward sender, exchange, pooling)
+                    handoff_time=max(0.0, t_got_wall - float(batch.fixed["t_end"].max())),
+                    train_time=t_trained - t_got,
+                    sync_time=t_synced - t_trained,
+                    step_time=period,
+                    tokens_per_s=m["tokens"] / max(period, 1e-9),
+                    samples_per_s=len(batch) / max(period, 1e-9),
+                    sync_bytes=float(sync.get("bytes", 0)),
+                    policy_version=float(step + 1),
+                )
+                sink.write(step, a.steps, batch, m)
+            t_prev = t_synced
+            if ckpt.due(step + 1):
+                if sink is not None:  # the log must hold every step the checkpoint covers: a resume continues after it
+                    sink.log.flush()
+                ckpt.save(checkpointed, step + 1)
+                if ckpt.stop_requested and step + 1 < a.steps:
+                    exit_code = checkpointing.EXIT_PREEMPTED
+                    break
+    finally:
+        if sink is not None:
+            sink.close()
+        if critic:
+            critic.close()
+        trainer.close()
+    return exit_code

@@ -1,0 +1,185 @@
+"""The MPI world of one run: who am I (generator or trainer), on which node, and the communicators.
+
+One MPI world spans both heterogeneous groups. Under `srun --het-group=0,1`
+group 0's tasks come first, and the local launcher starts the generators first
+in its MPMD `mpirun`, so world ranks [0, generator.ranks) are generators and
+the rest trainers.
+
+The node a rank runs on is SLURMD_NODENAME under Slurm, else ROLLOUT_NODE (the
+local launcher sets it per MPMD block to emulate several nodes on one host),
+else the hostname. Ranks that share a node name AND a role share a node ring.
+
+MPI is initialised with MPI_THREAD_MULTIPLE because the exchange runs one
+forwarding thread per node leader next to the rank's own work (Open MPI 4.1
+grants it with the ob1/vader/tcp transports; `init_world` fails clearly if the
+library gives less).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+import mpi4py
+
+GENERATOR = "generator"
+TRAINER = "trainer"
+_INTERCOMM_TAG = 7001
+
+
+class WorldError(RuntimeError):
+    """The MPI world does not match the config (a user-fixable launch problem)."""
+
+
+def _mpi():
+    """Import mpi4py.MPI asking for MPI_THREAD_MULTIPLE (only effective before the first import)."""
+    mpi4py.rc.thread_level = "multiple"
+    from mpi4py import MPI
+
+    return MPI
+
+
+def node_name_from_env() -> str:
+    return os.environ.get("SLURMD_NODENAME") or os.environ.get("ROLLOUT_NODE") or socket.gethostname()
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """What every rank knows about every other rank (allgathered once at start)."""
+
+    rank: int
+    role: str
+    group_rank: int
+    node_name: str
+    node_index: int
+    local_rank: int
+
+
+@dataclass
+class World:
+    comm: object  # MPI.COMM_WORLD
+    rank: int
+    size: int
+    role: str  # "generator" | "trainer"
+    group_rank: int
+    group_size: int
+    group_comm: object  # the ranks of my role
+    inter_comm: object  # intercommunicator to the other role's group (remote ranks = their group ranks)
+    node_name: str
+    node_index: int  # index of my node within my group, in order of group rank
+    n_nodes: int  # nodes in my group
+    node_comm: object  # ranks of my role on my node
+    local_rank: int
+    local_size: int
+    job_id: str  # SLURM_JOB_ID, or a token unique to this mpirun (names shared-memory segments)
+    ranks: list[RankInfo] = field(repr=False, default_factory=list)
+
+    @property
+    def is_generator(self) -> bool:
+        return self.role == GENERATOR
+
+    @property
+    def is_trainer(self) -> bool:
+        return self.role == TRAINER
+
+    @property
+    def is_node_leader(self) -> bool:
+        return self.local_rank == 0
+
+    def leaders(self, role: str) -> list[RankInfo]:
+        """Node leaders of `role`, ordered by node index (their group_rank addresses them over inter_comm)."""
+        out = {r.node_index: r for r in self.ranks if r.role == role and r.local_rank == 0}
+        return [out[i] for i in sorted(out)]
+
+    def facts(self) -> dict:
+        """The plain facts of this rank (what `hello` prints and writes)."""
+        return {
+            "rank": self.rank,
+            "size": self.size,
+            "role": self.role,
+            "group_rank": self.group_rank,
+            "group_size": self.group_size,
+            "node": self.node_name,
+            "node_index": self.node_index,
+            "n_nodes": self.n_nodes,
+            "local_rank": self.local_rank,
+            "local_size": self.local_size,
+            "is_node_leader": self.is_node_leader,
+            "inter_remote_size": self.inter_comm.Get_remote_size(),
+            "job_id": self.job_id,
+        }
+
+
+def init_world(cfg, comm=None) -> World:
+    """Learn this rank's role and node from the launch, and build the communicators.
+
+    Collective over `comm` (default COMM_WORLD)."""
+    MPI = _mpi()
+    comm = comm if comm is not None else MPI.COMM_WORLD
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        raise WorldError(
+            f"the MPI library gave thread level {MPI.Query_thread()}, rollout-hpc needs MPI_THREAD_MULTIPLE "
+            "(import rollout_hpc.runtime.world before anything imports mpi4py.MPI, or use an MPI built with threads)"
+        )
+    n_gen, n_train = cfg.generator.ranks, cfg.trainer.ranks
+    if comm.Get_size() != cfg.world_size:
+        raise WorldError(
+            f"the MPI world has {comm.Get_size()} ranks, but the config needs generator.ranks {n_gen} "
+            f"(nodes {cfg.generator.nodes} x tasks_per_node {cfg.generator.tasks_per_node}) + trainer.ranks {n_train} "
+            f"(nodes {cfg.trainer.nodes} x tasks_per_node {cfg.trainer.tasks_per_node}) = {cfg.world_size}; "
+            "launch with `rollout-hpc submit` (or mpirun -np matching), or fix the group sizes in the config"
+        )
+    rank = comm.Get_rank()
+    role = GENERATOR if rank < n_gen else TRAINER
+    color = 0 if role == GENERATOR else 1
+    group_comm = comm.Split(color, rank)
+    inter_comm = group_comm.Create_intercomm(0, comm, n_gen if role == GENERATOR else 0, _INTERCOMM_TAG)
+
+    node_name = node_name_from_env()
+    names = group_comm.allgather(node_name)
+    order = list(dict.fromkeys(names))  # nodes in order of their first group rank
+    node_index = order.index(node_name)
+    node_comm = group_comm.Split(node_index, group_comm.Get_rank())
+
+    job_id = os.environ.get("SLURM_JOB_ID") or f"local{os.getpid()}x{os.urandom(3).hex()}"
+    job_id = comm.bcast(job_id, root=0)
+    me = RankInfo(rank, role, group_comm.Get_rank(), node_name, node_index, node_comm.Get_rank())
+    ranks = comm.allgather(me)
+    _check_nodes(cfg, ranks)
+    return World(
+        comm=comm,
+        rank=rank,
+        size=comm.Get_size(),
+        role=role,
+        group_rank=group_comm.Get_rank(),
+        group_size=group_comm.Get_size(),
+        group_comm=group_comm,
+        inter_comm=inter_comm,
+        node_name=node_name,
+        node_index=node_index,
+        n_nodes=len(order),
+        node_comm=node_comm,
+        local_rank=node_comm.Get_rank(),
+        local_size=node_comm.Get_size(),
+        job_id=job_id,
+        ranks=ranks,
+    )
+
+
+def _check_nodes(cfg, ranks: list[RankInfo]) -> None:
+    """A group's node count must match the config: node rings and balancing depend on it."""
+    for role, section in ((GENERATOR, cfg.generator), (TRAINER, cfg.trainer)):
+        nodes = {r.node_name for r in ranks if r.role == role}
+        if len(nodes) != section.nodes:
+            raise WorldError(
+                f"{role}.nodes is {section.nodes} but the {role} ranks run on {len(nodes)} node(s) {sorted(nodes)}; "
+                f"launch with {section.tasks_per_node} task(s) per node (srun --ntasks-per-node, or ROLLOUT_NODE per "
+                "MPMD block under mpirun)"
+            )
+
+
+def free_world(world: World) -> None:
+    """Release the communicators (before MPI finalises at exit)."""
+    for c in (world.inter_comm, world.node_comm, world.group_comm):
+        c.Free()

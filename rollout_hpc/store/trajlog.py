@@ -1,0 +1,475 @@
+"""The trajectory log: every trajectory a run trained on, plus a per-step metrics table, in one HDF5 file.
+
+RUN_DIR/trajectories.h5 (docs/storage.md has the full layout):
+
+    /traj/<field>            one appendable column per FIXED_DTYPE field, plus `step` (the train step that
+                             consumed the row) and `staleness` (trainer policy version minus the row's)
+    /traj/prompt_ids ...     ragged arrays stored flat (prompt_ids, response_ids, logprobs, loss_mask,
+                             turn_starts) with /traj/{prompt,response,turn}_offsets (rows + 1 entries, from 0)
+    /metrics/columns         metric names (fixed-length strings); /metrics/values: (steps, columns) float64
+    /progress                [committed trajectory rows, committed metric rows, closed cleanly (0/1)]
+
+One writer holds the file in SWMR mode (libver='latest'), so readers may open it
+while it grows. `flush()` makes data durable first and then advances /progress;
+readers trust only committed rows, so a killed writer loses at most what it had
+not flushed. Reopening a killed writer's log for append clears HDF5's
+open-for-write flags (no live writer: an flock on `<log>.lock` proves it) and
+truncates every dataset to the last consistent committed row.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import h5py
+import numpy as np
+
+from rollout_hpc.config import UserError
+from rollout_hpc.exchange.schema import FIXED_DTYPE, LAYOUT_VERSION as RECORD_LAYOUT, RAGGED, TrajectoryBatch
+from rollout_hpc.store.h5recover import clear_consistency_flags, consistency_flags
+
+FORMAT = "rollout-hpc-trajectories"
+LOG_LAYOUT_VERSION = 1
+LOG_NAME = "trajectories.h5"
+
+ROW_COLUMNS = [n for n in FIXED_DTYPE.names if not n.startswith("_")] + ["step", "staleness"]
+_ROW_DTYPES = {**{n: FIXED_DTYPE[n] for n in ROW_COLUMNS[:-2]}, "step": np.dtype("<i8"), "staleness": np.dtype("<i8")}
+# ragged array -> its offsets dataset (one offsets dataset per length field)
+OFFSETS = {"prompt_len": "prompt_offsets", "response_len": "response_offsets", "n_turns": "turn_offsets"}
+STANDARD_METRICS = (
+    "step", "time", "reward_mean", "reward_std", "reward_min", "reward_max", "response_len_mean",
+    "response_len_max", "kl", "entropy", "clip_frac", "staleness_mean", "staleness_max", "gen_time",
+    "train_time", "sync_time", "idle_time", "tokens_per_s", "samples", "allocation", "policy_version",
+)
+METRIC_NAME_BYTES = 64
+
+# Chunk sizes: rows for per-trajectory columns, elements for flat token arrays. A flush rewrites
+# the last, partly filled chunk of every dataset, and a compressed chunk that changes size moves
+# (HDF5 does not reuse the old space), so chunks stay small: 16384 elements (64 KiB of int32).
+ROW_CHUNK = 8192
+TOKEN_CHUNK = 16384
+# Byte shuffle + gzip level 1: token ids and masks have mostly-zero high bytes, so the log is about
+# half the uncompressed size, and every HDF5 reader can decode gzip (lzf needs h5py).
+# tools/bench_checkpoint.py measures gzip vs lzf vs none against JSON lines.
+DEFAULT_COMPRESSION = {"compression": "gzip", "compression_opts": 1, "shuffle": True}
+
+
+class TrajectoryLogError(UserError):
+    """A file that is not a trajectory log this code reads, or a log that cannot be opened; says why."""
+
+
+def log_path(run_dir_or_log: str | Path) -> Path:
+    """RUN_DIR/trajectories.h5 for a run directory (existing or not); an existing file or a *.h5 path as is."""
+    p = Path(run_dir_or_log)
+    return p if p.is_file() or (p.suffix in (".h5", ".hdf5") and not p.is_dir()) else p / LOG_NAME
+
+
+class _WriterLock:
+    """An flock held for the writer's life; the OS drops it when the writer dies, even by SIGKILL."""
+
+    def __init__(self, log: Path) -> None:
+        self.path = log.with_name(log.name + ".lock")
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(self.fd)
+            raise TrajectoryLogError(f"{log} is being written by another process (pid {holder}); one writer per log") from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+
+    def release(self) -> None:
+        os.close(self.fd)
+
+
+def _check_format(f: h5py.File, path: Path) -> None:
+    if f.attrs.get("format") != FORMAT:
+        raise TrajectoryLogError(f"{path} is an HDF5 file but not a rollout-hpc trajectory log (no format attribute '{FORMAT}')")
+    version = int(f.attrs.get("layout_version", -1))
+    if version != LOG_LAYOUT_VERSION:
+        raise TrajectoryLogError(
+            f"{path}: trajectory log layout version {version}; this rollout-hpc reads version {LOG_LAYOUT_VERSION} "
+            "(upgrade rollout-hpc to read it)"
+        )
+
+
+class TrajectoryLog:
+    """The single writer of a run's trajectory log."""
+
+    def __init__(self, path: Path, f: h5py.File, lock: _WriterLock, reconciled: dict) -> None:
+        self.path, self._f, self._lock = path, f, lock
+        self.reconciled = reconciled  # what reopening after a crash dropped, for the caller to report
+        self._traj, self._metrics, self._progress = f["traj"], f["metrics"], f["progress"]
+        self._rows = int(self._traj["step"].shape[0])
+        self._metric_rows = int(self._metrics["values"].shape[0])
+        self._columns = [c.decode() for c in self._metrics["columns"][:]]
+        self._pending: list[tuple[TrajectoryBatch, int, int]] = []
+        self._pending_rows = 0
+        self._step_stats: dict[int, list[np.ndarray]] = {}
+        self.buffer_rows = 4096
+
+    # --- opening -------------------------------------------------------------------
+    @classmethod
+    def open_for_append(cls, path: str | Path, meta: dict | None = None, resume_step: int | None = None,
+                        compression: dict | None = None) -> "TrajectoryLog":
+        """Create the log, or reopen it to continue (after a clean exit or a crash).
+
+        meta: run_name, group_size, max_new_tokens, max_staleness, ... (stored as attributes on
+        creation). resume_step: drop rows and metrics of steps after it (the checkpoint being
+        resumed from), so replayed steps are not logged twice.
+        """
+        path = log_path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = _WriterLock(path)
+        try:
+            if path.exists() and path.stat().st_size > 0:
+                f, reconciled = cls._reopen(path, resume_step)
+            else:
+                f, reconciled = cls._create(path, meta or {}, DEFAULT_COMPRESSION if compression is None else compression), {}
+            f.swmr_mode = True
+        except BaseException:
+            lock.release()
+            raise
+        return cls(path, f, lock, reconciled)
+
+    @staticmethod
+    def _create(path: Path, meta: dict, compression: dict) -> h5py.File:
+        # HDF5's own file lock is off for writer and readers alike: our flock on <log>.lock keeps
+        # writers exclusive, and equal flags let one process read its own log while writing it.
+        f = h5py.File(path, "w", libver="latest", locking=False)
+        f.attrs["format"] = FORMAT
+        f.attrs["layout_version"] = LOG_LAYOUT_VERSION
+        f.attrs["record_layout"] = RECORD_LAYOUT
+        f.attrs["created"] = time.time()
+        for key in ("run_name", "group_size", "max_new_tokens", "max_staleness"):
+            if meta.get(key) is not None:
+                f.attrs[key] = meta[key]
+        f.attrs["meta_json"] = json.dumps(meta, default=str)
+        traj = f.create_group("traj")
+        for name in ROW_COLUMNS:
+            traj.create_dataset(name, (0,), _ROW_DTYPES[name], maxshape=(None,), chunks=(ROW_CHUNK,), **compression)
+        for name, dtype, _ in RAGGED:
+            traj.create_dataset(name, (0,), dtype, maxshape=(None,), chunks=(TOKEN_CHUNK,), **compression)
+        for offsets in OFFSETS.values():
+            traj.create_dataset(offsets, data=np.zeros(1, np.int64), maxshape=(None,), chunks=(ROW_CHUNK,), **compression)
+        metrics = f.create_group("metrics")
+        names = np.array([n.encode() for n in STANDARD_METRICS], f"S{METRIC_NAME_BYTES}")
+        metrics.create_dataset("columns", data=names, maxshape=(None,), chunks=(64,))
+        metrics.create_dataset("values", (0, len(names)), np.float64, maxshape=(None, None), chunks=(256, 32), fillvalue=np.nan)
+        f.create_dataset("progress", data=np.zeros(3, np.int64))
+        return f
+
+    @staticmethod
+    def _reopen(path: Path, resume_step: int | None) -> tuple[h5py.File, dict]:
+        crashed = bool(consistency_flags(path))
+        if crashed:  # the previous writer died holding the file; our lock proves it is gone
+            clear_consistency_flags(path)
+        try:
+            f = h5py.File(path, "r+", libver="latest", locking=False)
+        except OSError as exc:
+            raise TrajectoryLogError(f"{path}: cannot be reopened for append ({str(exc).splitlines()[0]})") from None
+        try:
+            _check_format(f, path)
+            reconciled = _reconcile(f, resume_step)
+        except BaseException:
+            f.close()
+            raise
+        reconciled["writer_killed"] = crashed or reconciled.get("writer_killed", False)
+        f.flush()
+        return f, reconciled
+
+    # --- writing -------------------------------------------------------------------
+    def append(self, batch: TrajectoryBatch, step: int, policy_version: int | None = None) -> None:
+        """Log the trajectories train step `step` consumed; the trainer's policy version defaults to `step`."""
+        if len(batch) == 0:
+            return
+        version = step if policy_version is None else policy_version
+        self._pending.append((batch, step, version))
+        self._pending_rows += len(batch)
+        self._step_stats.setdefault(step, []).append(
+            np.stack([batch.fixed["reward"].astype(np.float64), batch.fixed["response_len"].astype(np.float64),
+                      version - batch.fixed["policy_version"].astype(np.float64)])
+        )
+        if self._pending_rows >= self.buffer_rows:
+            self._write_pending()
+
+    def _write_pending(self) -> None:
+        if not self._pending:
+            return
+        batch = TrajectoryBatch.concat([b for b, _, _ in self._pending])
+        steps = np.concatenate([np.full(len(b), s, np.int64) for b, s, _ in self._pending])
+        versions = np.concatenate([np.full(len(b), v, np.int64) for b, _, v in self._pending])
+        self._pending, self._pending_rows = [], 0
+        traj = self._traj
+        # Flat arrays and offsets first, per-row columns after: a row exists once its columns do.
+        for length_field, offsets_name in OFFSETS.items():
+            offsets = traj[offsets_name]
+            base = int(offsets[-1])
+            ends = base + np.cumsum(batch.fixed[length_field], dtype=np.int64)
+            _extend(offsets, ends)
+        for name, _, _ in RAGGED:
+            _extend(traj[name], getattr(batch, name))
+        for name in ROW_COLUMNS[:-2]:
+            _extend(traj[name], batch.fixed[name])
+        _extend(traj["staleness"], versions - batch.fixed["policy_version"].astype(np.int64))
+        _extend(traj["step"], steps)
+        self._rows += len(batch)
+
+    def append_metrics(self, step: int, metrics: dict[str, float], flush: bool = True) -> None:
+        """One row of the per-step table. Reward, response length, staleness and sample stats of the
+        rows appended for `step` are filled in unless given; unknown names become new columns."""
+        row = {"step": step, "time": time.time(), **self._derived(step), **metrics}
+        for name, value in row.items():
+            try:
+                row[name] = float(value)
+            except (TypeError, ValueError):
+                raise TrajectoryLogError(f"metric '{name}' = {value!r} is not a number") from None
+            if name not in self._columns:
+                self._add_column(name)
+        values = np.full(len(self._columns), np.nan)
+        for name, value in row.items():
+            values[self._columns.index(name)] = value
+        ds = self._metrics["values"]
+        ds.resize((self._metric_rows + 1, len(self._columns)))
+        ds[self._metric_rows] = values
+        self._metric_rows += 1
+        if flush:
+            self.flush()
+
+    def _derived(self, step: int) -> dict[str, float]:
+        parts = self._step_stats.pop(step, None)
+        if not parts:
+            return {}
+        reward, length, stale = np.concatenate(parts, axis=1)
+        return {"reward_mean": reward.mean(), "reward_std": reward.std(), "reward_min": reward.min(),
+                "reward_max": reward.max(), "response_len_mean": length.mean(), "response_len_max": length.max(),
+                "staleness_mean": stale.mean(), "staleness_max": stale.max(), "samples": len(reward)}
+
+    def _add_column(self, name: str) -> None:
+        if len(name.encode()) > METRIC_NAME_BYTES:
+            raise TrajectoryLogError(f"metric name '{name}' is longer than {METRIC_NAME_BYTES} bytes; shorten it")
+        columns = self._metrics["columns"]
+        columns.resize((len(self._columns) + 1,))  # name first: readers take min(names, value columns)
+        columns[len(self._columns)] = name.encode()
+        self._columns.append(name)
+        self._metrics["values"].resize((self._metric_rows, len(self._columns)))
+
+    def flush(self) -> None:
+        """Make everything appended durable, then commit it for readers."""
+        self._write_pending()
+        self._f.flush()
+        self._progress[0:2] = (self._rows, self._metric_rows)
+        self._f.flush()
+
+    @property
+    def rows(self) -> int:
+        return self._rows + self._pending_rows
+
+    def close(self) -> None:
+        if self._f.id.valid:
+            self.flush()
+            self._progress[2] = 1
+            self._f.close()
+            self._lock.release()
+
+    def __enter__(self) -> "TrajectoryLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _extend(ds: h5py.Dataset, data: np.ndarray) -> None:
+    n = ds.shape[0]
+    ds.resize((n + len(data),))
+    if len(data):
+        ds[n:] = data
+
+
+def _consistent_rows(f: h5py.File) -> tuple[int, int, int]:
+    """(rows every dataset agrees on, most rows any dataset holds, committed metric rows)."""
+    traj = f["traj"]
+    committed, metric_committed = (int(x) for x in f["progress"][:2])
+    extents = [traj[n].shape[0] for n in ROW_COLUMNS] + [traj[o].shape[0] - 1 for o in OFFSETS.values()]
+    rows = min([committed] + extents)
+    for length_field, offsets_name in OFFSETS.items():  # flat arrays must cover the rows' slices
+        flat_len = min(traj[name].shape[0] for name, _, lf in RAGGED if lf == length_field)
+        if int(traj[offsets_name][rows]) > flat_len:  # rare (a crash mid-append): search the offsets
+            rows = int(np.searchsorted(traj[offsets_name][: rows + 1], flat_len, side="right")) - 1
+    metric_rows = min(metric_committed, f["metrics/values"].shape[0])
+    return rows, max(extents + [committed]), metric_rows
+
+
+def _reconcile(f: h5py.File, resume_step: int | None) -> dict:
+    rows, most, metric_rows = _consistent_rows(f)
+    traj = f["traj"]
+    report = {"rows_kept": rows, "rows_dropped": most - rows, "metric_rows_dropped": f["metrics/values"].shape[0] - metric_rows,
+              "writer_killed": not bool(f["progress"][2])}
+    if resume_step is not None:
+        steps = traj["step"][:rows]
+        later = np.flatnonzero(steps > resume_step)
+        keep = int(later[0]) if len(later) else rows
+        report["rows_after_resume_step"] = rows - keep
+        rows = keep
+        mstep = f["metrics/values"][:metric_rows, 0]
+        mlater = np.flatnonzero(mstep > resume_step)
+        metric_rows = int(mlater[0]) if len(mlater) else metric_rows
+    for name in ROW_COLUMNS:
+        traj[name].resize((rows,))
+    for length_field, offsets_name in OFFSETS.items():
+        end = int(traj[offsets_name][rows])
+        traj[offsets_name].resize((rows + 1,))
+        for name, _, lf in RAGGED:
+            if lf == length_field:
+                traj[name].resize((end,))
+    values = f["metrics/values"]
+    n_names = f["metrics/columns"].shape[0]
+    values.resize((metric_rows, n_names))
+    f["progress"][:] = (rows, metric_rows, 0)
+    return report
+
+
+class TrajectoryReader:
+    """Reads a trajectory log, also while its writer appends (SWMR) or after the writer was killed."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = log_path(path)
+        if not self.path.is_file():
+            raise TrajectoryLogError(f"{self.path}: no trajectory log here (expected RUN_DIR/{LOG_NAME} or the path of one)")
+        if not h5py.is_hdf5(self.path):
+            raise TrajectoryLogError(f"{self.path} is not an HDF5 file, so not a rollout-hpc trajectory log")
+        try:
+            # No file lock: a reader (say a long-lived monitor) must never stop a restarted job's writer
+            # from reopening the log; SWMR reading needs no lock.
+            self._f = h5py.File(self.path, "r", libver="latest", swmr=True, locking=False)
+        except OSError as exc:
+            raise TrajectoryLogError(f"{self.path}: cannot be opened ({str(exc).splitlines()[0]})") from None
+        try:
+            _check_format(self._f, self.path)
+        except TrajectoryLogError:
+            self._f.close()
+            raise
+        self.meta = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in self._f.attrs.items()}
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Pick up rows the writer committed since the last look."""
+        for ds in self._datasets():
+            ds.refresh()
+        self.rows, most, self.metric_rows = _consistent_rows(self._f)
+        self.cut_rows = most - self.rows  # rows written but not committed: in flight, or lost with a killed writer
+        self.closed_cleanly = bool(self._f["progress"][2])
+
+    def _datasets(self) -> Iterator[h5py.Dataset]:
+        yield self._f["progress"]
+        for ds in self._f["traj"].values():
+            yield ds
+        for ds in self._f["metrics"].values():
+            yield ds
+
+    @property
+    def n_tokens(self) -> int:
+        traj = self._f["traj"]
+        return int(traj["prompt_offsets"][self.rows]) + int(traj["response_offsets"][self.rows])
+
+    def status_line(self) -> str:
+        """Says whether the log is complete, being written, or was cut by a killed writer."""
+        if self.closed_cleanly:
+            return f"{self.rows} trajectories, closed cleanly"
+        cut = f"; {self.cut_rows} uncommitted rows ignored" if self.cut_rows else ""
+        return f"{self.rows} committed trajectories; not closed (still being written, or its writer was killed){cut}"
+
+    def column(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        if name not in _ROW_DTYPES:
+            raise KeyError(f"no trajectory column '{name}'; columns: {', '.join(ROW_COLUMNS)}")
+        stop = self.rows if stop is None else min(stop, self.rows)
+        return self._f["traj"][name][start:stop]
+
+    def iter_chunks(self, rows: int = 65536, columns: list[str] | None = None, start: int = 0,
+                    stop: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+        """Per-trajectory columns in chunks of `rows` (bounded memory); each chunk also has 'row' indices."""
+        names = columns or ROW_COLUMNS
+        stop = self.rows if stop is None else min(stop, self.rows)
+        for lo in range(start, stop, rows):
+            hi = min(lo + rows, stop)
+            chunk = {name: self._f["traj"][name][lo:hi] for name in names}
+            chunk["row"] = np.arange(lo, hi, dtype=np.int64)
+            yield chunk
+
+    def batch(self, rows) -> TrajectoryBatch:
+        """Rows (a slice or indices) as a TrajectoryBatch; columns `step`/`staleness` are in .column()."""
+        if isinstance(rows, slice):
+            lo, hi, _ = rows.indices(self.rows)
+            idx = np.arange(lo, max(lo, hi))
+        else:
+            idx = np.asarray(rows, np.int64).reshape(-1)
+        if len(idx) and (idx.min() < 0 or idx.max() >= self.rows):
+            raise IndexError(f"rows must be in 0..{self.rows - 1}")
+        traj = self._f["traj"]
+        fixed = np.zeros(len(idx), FIXED_DTYPE)
+        contiguous = len(idx) > 0 and bool(np.all(np.diff(idx) == 1))
+        lo, hi = (int(idx[0]), int(idx[-1]) + 1) if len(idx) else (0, 0)
+        for name in ROW_COLUMNS[:-2]:
+            fixed[name] = traj[name][lo:hi] if contiguous else np.array([traj[name][i] for i in idx], FIXED_DTYPE[name])
+        parts = {}
+        for name, dtype, length_field in RAGGED:
+            offsets = traj[OFFSETS[length_field]]
+            if contiguous:
+                parts[name] = traj[name][int(offsets[lo]) : int(offsets[hi])]
+            else:
+                pieces = [traj[name][int(offsets[i]) : int(offsets[i + 1])] for i in idx]
+                parts[name] = np.concatenate(pieces) if pieces else np.zeros(0, dtype)
+        return TrajectoryBatch(fixed, **parts)
+
+    def ragged_chunk(self, name: str, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """(offsets from 0, n+1 entries; flat values) of ragged array `name` for rows [lo, hi)."""
+        length_field = {n: lf for n, _, lf in RAGGED}[name]
+        offsets = self._f["traj"][OFFSETS[length_field]][lo : hi + 1]
+        values = self._f["traj"][name][int(offsets[0]) : int(offsets[-1])]
+        return offsets - offsets[0], values
+
+    def metric_names(self) -> list[str]:
+        names = [c.decode() for c in self._f["metrics/columns"][:]]
+        return names[: self._f["metrics/values"].shape[1]]
+
+    def metrics(self, dedupe: bool = True) -> dict[str, np.ndarray]:
+        """The per-step table as {column: float64 array} (NaN where a step did not report a metric).
+        dedupe: a step logged twice (a resume that replayed it) keeps its last row; rows sorted by step."""
+        names = self.metric_names()
+        values = self._f["metrics/values"][: self.metric_rows, : len(names)]
+        if dedupe and len(values):
+            steps = values[:, 0]
+            last = len(steps) - 1 - np.unique(steps[::-1], return_index=True)[1]
+            values = values[np.sort(last)]
+            values = values[np.argsort(values[:, 0], kind="stable")]
+        return {name: values[:, i] for i, name in enumerate(names)}
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> "TrajectoryReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, float]]:
+    """The per-step metrics of a log as one dict per step, in step order (unreported metrics left out)."""
+    with TrajectoryReader(path) as reader:
+        table = reader.metrics()
+    names = list(table)
+    rows = np.column_stack([table[n] for n in names]) if names else np.zeros((0, 0))
+    return [{n: float(v) for n, v in zip(names, row) if not np.isnan(v)} for row in rows]
+
+
+def read_meta(reader: TrajectoryReader) -> dict[str, Any]:
+    meta = json.loads(reader.meta.get("meta_json", "{}"))
+    meta.update({k: v for k, v in reader.meta.items() if k != "meta_json"})
+    return meta
