@@ -208,6 +208,46 @@ def test_deepspeed_zero2_two_trainer_ranks_through_the_loop(tmp_path):
     assert state0["loop"]["step"] == 3 and "weights" in state0
 
 
+# DAPO's dynamic sampling: P=8 groups of 4 with one-token answers that start mostly wrong, so most groups
+# are all-zero and get refilled (up to 3 rounds a step).
+DAPO = ["algorithm.name=dapo", "algorithm.steps=6", "algorithm.dynamic_sampling_max_rounds=3", "algorithm.lr=0.01"]
+
+
+def test_dapo_refills_dropped_groups_the_same_on_any_generator_count_and_across_a_resume(tmp_path):
+    from rollout_hpc.runtime.step_plan import StepPlan
+
+    _, res = run_loop(tmp_path / "two", [*DAPO, "generator.nodes=2"])
+    assert res.returncode == 0, res.stderr[-4000:]
+    step, prompt, sample, reward = columns(tmp_path / "two", "step", "prompt_id", "sample_idx", "reward")
+    metrics = read_metrics(tmp_path / "two" / "trajectories.h5")
+    P, G = 8, 4
+    refilled = 0
+    for s, m in enumerate(metrics):
+        rows = step == s
+        # Replay the plan from the logged rewards: the step holds exactly the prompts of its rounds, whole groups.
+        plan = StepPlan(s, P, max_rounds=3)
+        by_prompt = {int(p): set() for p in prompt[rows]}
+        for p, r in zip(prompt[rows], reward[rows]):
+            by_prompt[int(p)].add(float(r))
+        while not plan.done:
+            plan.advance(sum(len(by_prompt.get(p, ())) > 1 for p in plan.round))
+        assert sorted(zip(prompt[rows], sample[rows])) == [(p, k) for p in plan.prompts for k in range(G)]
+        assert m["generation_rounds"] == plan.rounds and m["groups_kept"] == plan.informative
+        assert m["groups_dropped"] == len(plan.prompts) - plan.informative
+        assert plan.informative == P or plan.rounds == 3  # refilled up to the target or out of rounds
+        refilled += plan.rounds > 1
+    assert refilled >= 1, [m["groups_kept"] for m in metrics]
+
+    # One generator instead of two, stopped after step 3 and resumed: the same rounds, the same weights.
+    _, first = run_loop(tmp_path / "one", [*DAPO, "algorithm.steps=3"])
+    assert first.returncode == 0, first.stderr[-4000:]
+    _, rest = run_loop(tmp_path / "one", DAPO)
+    assert rest.returncode == 0 and "after step 3" in rest.stderr, rest.stderr[-4000:]
+    again = columns(tmp_path / "one", "step", "prompt_id", "sample_idx", "reward")
+    assert sorted(zip(*again)) == sorted(zip(step, prompt, sample, reward))
+    assert final_digest(tmp_path / "one") == final_digest(tmp_path / "two")
+
+
 @pytest.mark.parametrize("algo", ["grpo", "rloo"])
 def test_kl_to_the_reference_policy(tmp_path, algo):
     # grpo puts kl_coef x KL in the loss, rloo subtracts it from the reward: both need the frozen reference.

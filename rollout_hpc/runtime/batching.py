@@ -12,6 +12,7 @@ import torch
 
 from rollout_hpc import algos
 from rollout_hpc.exchange.schema import TrajectoryBatch
+from rollout_hpc.runtime import step_plan
 
 
 class StalenessError(RuntimeError):
@@ -37,16 +38,16 @@ def check_staleness(batch: TrajectoryBatch, step: int, max_staleness: int) -> in
     return worst
 
 
-def check_complete(batch: TrajectoryBatch, step: int, prompts_per_step: int, group_size: int) -> None:
-    """Exactly the step's prompts, each with its whole group, each record once."""
-    want = np.arange(step * prompts_per_step * group_size, (step + 1) * prompts_per_step * group_size, dtype=np.uint64)
+def check_complete(batch: TrajectoryBatch, step: int, prompts: range, group_size: int) -> None:
+    """Exactly the step's prompts (step_plan.StepPlan.prompts), each with its whole group, each record once."""
+    want = np.arange(prompts.start * group_size, prompts.stop * group_size, dtype=np.uint64)
     got = np.sort(batch.uids(group_size))
     if len(got) != len(want) or not np.array_equal(got, want):
         missing = np.setdiff1d(want, got)[:5]
         extra = np.setdiff1d(got, want)[:5]
         raise StalenessError(
             f"step {step}: the trainer received {len(got)} records, expected the {len(want)} records of prompts "
-            f"[{step * prompts_per_step}, {(step + 1) * prompts_per_step}) (missing uids {missing.tolist()}, unexpected {extra.tolist()})"
+            f"[{prompts.start}, {prompts.stop}) (missing uids {missing.tolist()}, unexpected {extra.tolist()})"
         )
 
 
@@ -82,11 +83,7 @@ def collate(batch: TrajectoryBatch, pad_id: int = 0) -> dict[str, torch.Tensor]:
 
 def shaped_rewards(cfg, tensors: dict) -> torch.Tensor:
     """Task rewards plus DAPO's overlong shaping where configured."""
-    a = cfg.algorithm
-    rewards = tensors["rewards"]
-    if a.overlong_buffer > 0:
-        rewards = rewards + algos.overlong_penalty(tensors["response_len"], a.max_new_tokens, a.overlong_buffer, a.overlong_penalty)
-    return rewards
+    return step_plan.shaped_rewards(cfg, tensors["rewards"], tensors["response_len"])
 
 
 def add_advantages(cfg, tensors: dict, ref_logprobs: torch.Tensor | None, values: torch.Tensor | None = None) -> dict[str, float]:
@@ -112,11 +109,12 @@ def add_advantages(cfg, tensors: dict, ref_logprobs: torch.Tensor | None, values
     if ref_logprobs is not None:
         tensors["ref_logprobs"] = ref_logprobs
     stats = {"shaped_reward_mean": float(rewards.mean())}
-    if spec.dynamic_sampling or a.dynamic_sampling:
+    if step_plan.uses_dynamic_sampling(cfg):
         ds = algos.dynamic_sampling_filter(rewards, a.group_size)
-        # Groups whose rewards are all equal carry no signal: drop them from the loss.
+        # Groups whose rewards are all equal carry no signal: drop them from the loss (trainable_groups skips them).
         tensors["mask"] = tensors["mask"] * ds.keep[:, None].to(tensors["mask"].dtype)
         stats["groups_kept"] = float(ds.kept_groups)
+        stats["groups_dropped"] = float(ds.dropped_groups)
     return stats
 
 
@@ -146,10 +144,16 @@ def make_loss_fn(cfg):
     return loss_fn
 
 
-def shard_groups(n_records: int, group_size: int, group_rank: int, group_size_ranks: int) -> np.ndarray:
-    """Record indices this trainer rank trains on: whole prompt groups, contiguous, split evenly."""
-    groups = np.array_split(np.arange(n_records // group_size), group_size_ranks)[group_rank]
-    return (groups[:, None] * group_size + np.arange(group_size)[None, :]).reshape(-1)
+def trainable_groups(mask: torch.Tensor, group_size: int) -> np.ndarray:
+    """Indices of the prompt groups with any loss token (dynamic sampling zeroes the masks of dropped groups)."""
+    tokens = mask.reshape(-1, group_size * mask.shape[-1]).sum(dim=1) if mask.numel() else torch.zeros(0)
+    return torch.nonzero(tokens > 0).flatten().numpy()
+
+
+def shard_groups(groups: np.ndarray, group_size: int, group_rank: int, group_size_ranks: int) -> np.ndarray:
+    """Record indices this trainer rank trains on: whole prompt groups (from `groups`), contiguous, split evenly."""
+    mine = np.array_split(np.asarray(groups, np.int64), group_size_ranks)[group_rank]
+    return (mine[:, None] * group_size + np.arange(group_size)[None, :]).reshape(-1)
 
 
 def select_rows(tensors: dict, rows: np.ndarray) -> dict:

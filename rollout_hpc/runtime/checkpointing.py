@@ -64,8 +64,9 @@ class Checkpointer:
         """Checkpoint after `steps_done` steps. Collective over the trainer group."""
         store, g = self.store, self.world.group_comm
         state = trainer.state_dict_for_checkpoint()
-        # The data cursor is the step: step s always trains on prompts [s*P, (s+1)*P), and sample k of
-        # prompt i is seeded from (run.seed, i, k), so nothing else is needed to continue as if never stopped.
+        # The data cursor is the step: step s always trains on the prompts of its StepPlan (runtime.step_plan),
+        # and sample k of prompt i is seeded from (run.seed, i, k), so nothing else is needed to continue as if
+        # never stopped (dynamic sampling's refill rounds are replayed from the same rewards).
         state["loop"] = {"step": steps_done, "policy_version": steps_done}
         meta = {**store.config_meta(self.cfg), "policy_version": steps_done, "backend": self.cfg.trainer.backend}
         keep = self.cfg.checkpoint.keep_last

@@ -7,8 +7,8 @@ share of the step's prompts, and hand the result to the reward workers, which
 score it off the generation path and put the finished batch into the exchange
 while the next step is being generated.
 
-Prompts of step s are [s*P, (s+1)*P), split into contiguous runs across the
-generator ranks; sample k of prompt i is seeded from (run.seed, i, k) only, so
+Prompts of step s are [s*P, (s+1)*P) (with dynamic sampling, the rounds of
+runtime.step_plan), split into contiguous runs across the generator ranks; sample k of prompt i is seeded from (run.seed, i, k) only, so
 what is generated does not depend on the number of ranks, on timing, or on a
 restart.
 """
@@ -24,12 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from rollout_hpc.exchange.weights import SyncClosed
-
-
-def step_prompt_indices(step: int, prompts_per_step: int, gen_rank: int, n_gen: int) -> np.ndarray:
-    """This generator rank's prompt indices for `step` (a contiguous run; some ranks may get none)."""
-    all_ids = np.arange(step * prompts_per_step, (step + 1) * prompts_per_step)
-    return np.array_split(all_ids, n_gen)[gen_rank]
+from rollout_hpc.runtime.step_plan import StepPlan, informative_groups, rank_share
 
 
 class RewardWorkers:
@@ -54,6 +49,14 @@ class RewardWorkers:
         self._raise()
         futures = [self.pool.submit(self.reward_fn, item, text) for item, text in zip(items, texts)]
         self.queue.put((batch, futures))
+
+    def score_now(self, batch, items: list, texts: list[str]):
+        """Score on the pool and wait (dynamic sampling must see rewards before it decides on a refill).
+        Only for runs that never `submit`: the batch is returned, not put into the exchange."""
+        self._raise()
+        batch.fixed["reward"] = list(self.pool.map(self.reward_fn, items, texts))
+        batch.fixed["t_end"] = time.time()
+        return batch
 
     def _send_loop(self) -> None:
         while True:
@@ -113,6 +116,24 @@ def generate_unscored(gen, dataset, prompt_indices, group_size: int, gen_rank: i
     return batch, [item for _, item, _ in rows], [gen.tokenizer.decode(ids) for ids in out.response_ids]
 
 
+def generate_with_refills(world, cfg, plan, gen, dataset, exchange, workers, version: int) -> None:
+    """Dynamic sampling: generate the plan's rounds until enough groups are informative. Each round is
+    scored before the next is decided; the generator group agrees on its informative-group count."""
+    G = cfg.algorithm.group_size
+    while True:
+        ids = rank_share(plan.round, world.group_rank, world.group_size)
+        informative = 0
+        if len(ids):
+            if workers is None:  # multi-turn: episodes score themselves
+                batch = gen.rollout(dataset, ids, G, world.rank, version)
+            else:
+                batch = workers.score_now(*generate_unscored(gen, dataset, ids, G, world.rank, version))
+            informative = informative_groups(cfg, batch)
+            exchange.put(batch)  # dropped groups too: the trainer logs every sample and replays the same plan
+        if not plan.advance(world.group_comm.allreduce(informative)):
+            return
+
+
 def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights) -> int:
     from rollout_hpc.envs import load_task
     from rollout_hpc.envs.base import is_multi_turn
@@ -138,12 +159,16 @@ def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights
             if got is not None:
                 version, tensors = got
                 gen.load_weights(tensors)
-            ids = step_prompt_indices(step, a.prompts_per_step, world.group_rank, world.group_size)
-            if len(ids):
-                if multi_turn:  # episodes score themselves turn by turn
-                    exchange.put(gen.rollout(dataset, ids, a.group_size, world.rank, version))
-                else:
-                    workers.submit(*generate_unscored(gen, dataset, ids, a.group_size, world.rank, version))
+            plan = StepPlan.for_step(cfg, step)
+            if plan.done:  # one round: hand it to the reward workers and go on to the next step
+                ids = rank_share(plan.round, world.group_rank, world.group_size)
+                if len(ids):
+                    if multi_turn:  # episodes score themselves turn by turn
+                        exchange.put(gen.rollout(dataset, ids, a.group_size, world.rank, version))
+                    else:
+                        workers.submit(*generate_unscored(gen, dataset, ids, a.group_size, world.rank, version))
+            else:
+                generate_with_refills(world, cfg, plan, gen, dataset, exchange, workers, version)
             step += 1
     finally:
         if workers is not None:

@@ -22,6 +22,8 @@ _LINE = (
     ("entropy", "ent", "{:.2f}"),
     ("clip_frac", "clip", "{:.2f}"),
     ("staleness_max", "stale", "{:.0f}"),
+    ("groups_kept", "kept", "{:.0f}"),  # dynamic sampling: informative groups trained on
+    ("generation_rounds", "rounds", "{:.0f}"),
     ("gen_time", "gen", "{:.2f}s"),
     ("idle_time", "wait", "{:.2f}s"),
     ("train_time", "train", "{:.2f}s"),

@@ -23,6 +23,7 @@ from rollout_hpc.exchange.schema import TrajectoryBatch
 from rollout_hpc.runtime import batching, checkpointing
 from rollout_hpc.runtime.critic import Critic, PolicyAndCritic
 from rollout_hpc.runtime.metrics import MetricsSink, batch_metrics
+from rollout_hpc.runtime.step_plan import StepPlan, informative_groups
 
 
 class StepReceiver:
@@ -34,32 +35,43 @@ class StepReceiver:
     generator running ahead of another). So each rank takes what it has, the
     group allgathers it into a pool that is identical on every rank, and a step
     is handed out once the pool holds all its prompts; later records wait there.
+    Which prompts a step has is its StepPlan: with dynamic sampling, the rounds
+    are replayed here from the rewards, exactly as the generators decided them.
     """
 
-    def __init__(self, exchange, world, prompts_per_step: int, group_size: int, poll_s: float = 0.02):
-        self.exchange, self.world = exchange, world
-        self.P, self.G = prompts_per_step, group_size
+    def __init__(self, exchange, world, cfg, poll_s: float = 0.02):
+        self.exchange, self.world, self.cfg = exchange, world, cfg
+        self.G = cfg.algorithm.group_size
         self.poll_s = poll_s
         self.pool = TrajectoryBatch.empty()
 
-    def _in_step(self, step: int) -> np.ndarray:
+    def _in(self, prompts: range) -> np.ndarray:
         pid = self.pool.fixed["prompt_id"]
-        return (pid >= step * self.P) & (pid < (step + 1) * self.P)
+        return (pid >= prompts.start) & (pid < prompts.stop)
 
-    def get(self, step: int) -> TrajectoryBatch:
-        need = self.P * self.G
-        while (have := int(self._in_step(step).sum())) < need:
+    def _wait_for(self, step: int, prompts: range) -> None:
+        need = len(prompts) * self.G
+        while (have := int(self._in(prompts).sum())) < need:
             if self.world.group_size == 1:
                 new = [self.exchange.get(need - have)]  # blocks until that many more arrived
             else:
                 mine = self.exchange.get_available(need, timeout=self.poll_s)
                 new = [TrajectoryBatch.unpack(b) for b in self.world.group_comm.allgather(bytes(mine.pack()))]
             if not sum(len(b) for b in new) and self.exchange.ended:
-                raise batching.StalenessError(f"step {step}: the generators ended the stream with {have} of {need} records sent")
+                raise batching.StalenessError(
+                    f"step {step}: the generators ended the stream with {have} of the {need} records of prompts "
+                    f"[{prompts.start}, {prompts.stop}) sent")
             self.pool = TrajectoryBatch.concat([self.pool, *new])
-        rows = self._in_step(step)
+
+    def get(self, step: int) -> tuple[TrajectoryBatch, StepPlan]:
+        plan = StepPlan.for_step(self.cfg, step)
+        while True:
+            self._wait_for(step, plan.round)
+            if plan.done or not plan.advance(informative_groups(self.cfg, self.pool.select(self._in(plan.round)))):
+                break
+        rows = self._in(plan.prompts)
         batch, self.pool = self.pool.select(rows), self.pool.select(~rows)
-        return batch
+        return batch, plan
 
 
 class Reference:
@@ -92,28 +104,30 @@ def run_trainer(world, cfg, run_dir: Path, model: torch.nn.Module, exchange, wei
     start = ckpt.resume(checkpointed)  # 0 for a fresh run
     is_logger = world.group_rank == 0
     sink = MetricsSink(run_dir, cfg, steps_done=start, quiet=quiet) if is_logger else None
-    receiver = StepReceiver(exchange, world, a.prompts_per_step, a.group_size)
+    receiver = StepReceiver(exchange, world, cfg)
     sync = weights.publish(start, trainer.full_weights())  # generators start from exactly these weights
     exit_code = 0
     try:
         t_prev = time.perf_counter()
         for step in range(start, a.steps):
             t0 = time.perf_counter()
-            batch = receiver.get(step)
+            batch, plan = receiver.get(step)
             t_got, t_got_wall = time.perf_counter(), time.time()
             batch = batching.sort_by_uid(batch, a.group_size)
-            batching.check_complete(batch, step, a.prompts_per_step, a.group_size)
+            batching.check_complete(batch, step, plan.prompts, a.group_size)
             batching.check_staleness(batch, step, cfg.exchange.max_staleness)
 
             tensors = batching.collate(batch)
             ref_lp = reference.logprobs(tensors["input_ids"], tensors["attention_mask"]) if reference else None
             values = critic.values(tensors["input_ids"], tensors["attention_mask"]) if critic else None
             adv_stats = batching.add_advantages(cfg, tensors, ref_lp, values)
-            rows = batching.shard_groups(len(batch), a.group_size, world.group_rank, world.group_size)
-            mine = batching.select_rows(tensors, rows)
-            stats = trainer.train_step(mine, loss_fn)
-            if critic:
-                stats.update(critic.train_step(mine))
+            groups = batching.trainable_groups(tensors["mask"], a.group_size)
+            stats = {"generation_rounds": float(plan.rounds)}
+            if len(groups):  # none: every group of every round had equal rewards; the policy stays as it is
+                mine = batching.select_rows(tensors, batching.shard_groups(groups, a.group_size, world.group_rank, world.group_size))
+                stats.update(trainer.train_step(mine, loss_fn))
+                if critic:
+                    stats.update(critic.train_step(mine))
             t_trained = time.perf_counter()
 
             sync = weights.publish(step + 1, trainer.full_weights())
