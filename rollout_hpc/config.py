@@ -120,10 +120,14 @@ class AlgorithmSection(_Section):
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(0.95, ge=0, le=1)
-    dynamic_sampling: bool = False
+    dynamic_sampling: bool = Field(False, description="Drop groups whose rewards are all equal and refill the step with new prompts (on by default for dapo).")
+    dynamic_sampling_max_rounds: int = Field(
+        3, ge=1, description="Dynamic sampling: at most this many generation rounds per step (1 = drop without refilling).")
     overlong_buffer: int = Field(0, ge=0, description="DAPO overlong shaping: penalty ramps over the last N tokens.")
     overlong_penalty: float = Field(1.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
+    value_clip: float = Field(0.2, gt=0, description="PPO critic: value-loss clip range around the old values (a large value turns clipping off).")
+    critic_lr: float | None = Field(None, gt=0, description="PPO critic: its optimizer's learning rate (default: algorithm.lr).")
 
 
 class GroupSection(_Section):
