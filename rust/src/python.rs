@@ -277,14 +277,14 @@ impl PyRing {
     #[pyo3(signature = (timeout=None))]
     fn pop_view(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<RecordView> {
         let claim = blocking(py, &self.ring, "pop_view", timeout, |t| self.ring.claim(t))?;
-        Ok(RecordView { id: claim.id(), len: claim.len(), claim: Mutex::new(Some(claim)), exports: AtomicUsize::new(0) })
+        Ok(RecordView { id: claim.id(), len: claim.len(), claim: Mutex::new(Some(claim)), exports: BufferExports::default() })
     }
 
     /// Reserves a record of nbytes to be filled in place; see RecordWriter.
     #[pyo3(signature = (nbytes, timeout=None))]
     fn reserve(&self, py: Python<'_>, nbytes: usize, timeout: Option<f64>) -> PyResult<RecordWriter> {
         let slot = blocking(py, &self.ring, "reserve", timeout, |t| self.ring.reserve(nbytes, t))?;
-        Ok(RecordWriter { id: slot.id(), len: slot.len(), slot: Mutex::new(Some(slot)), exports: AtomicUsize::new(0) })
+        Ok(RecordWriter { id: slot.id(), len: slot.len(), slot: Mutex::new(Some(slot)), exports: BufferExports::default() })
     }
 
     fn close(&self) {
@@ -319,6 +319,50 @@ impl PyRing {
     }
 }
 
+/// How many buffer-protocol views (memoryview, numpy array) of a record are still alive.
+/// A record's shared memory must not be handed back (ack) or published (commit) under a live view.
+#[derive(Default)]
+struct BufferExports(AtomicUsize);
+
+impl BufferExports {
+    /// Fills `view` with the `len` bytes at `ptr`, owned by `owner`, and counts the export.
+    ///
+    /// # Safety
+    /// `view` is the Py_buffer CPython passed to `__getbuffer__`; `ptr..ptr+len` stays valid
+    /// while the export is counted.
+    unsafe fn fill(
+        &self,
+        owner: &Bound<'_, PyAny>,
+        view: *mut ffi::Py_buffer,
+        ptr: *mut c_void,
+        len: usize,
+        readonly: bool,
+        flags: c_int,
+    ) -> PyResult<()> {
+        let ro = c_int::from(readonly);
+        if unsafe { ffi::PyBuffer_FillInfo(view, owner.as_ptr(), ptr, len as ffi::Py_ssize_t, ro, flags) } != 0 {
+            return Err(PyErr::fetch(owner.py()));
+        }
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// A view filled by `fill` was released.
+    fn release(&self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// BufferError("`record` is still referenced ...; `fix`") while any view is alive.
+    fn ensure_unexported(&self, record: &str, fix: &str) -> PyResult<()> {
+        if self.0.load(Ordering::SeqCst) > 0 {
+            return Err(PyBufferError::new_err(format!(
+                "{record} is still referenced by a memoryview or numpy array; {fix}"
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// A claimed record in shared memory, exported read-only through the buffer protocol.
 /// `ack()` releases it (refused while a memoryview/numpy array still uses it); if this
 /// process dies first, another consumer receives the record again.
@@ -328,7 +372,7 @@ struct RecordView {
     id: u64,
     len: usize,
     claim: Mutex<Option<Claim>>,
-    exports: AtomicUsize,
+    exports: BufferExports,
 }
 
 #[pymethods]
@@ -343,15 +387,11 @@ impl RecordView {
             return Err(PyBufferError::new_err("ring record views are read-only; copy the data to modify it"));
         }
         let ptr = claim.as_ptr() as *mut c_void;
-        if unsafe { ffi::PyBuffer_FillInfo(view, slf.as_ptr(), ptr, claim.len() as ffi::Py_ssize_t, 1, flags) } != 0 {
-            return Err(PyErr::fetch(slf.py()));
-        }
-        this.exports.fetch_add(1, Ordering::SeqCst);
-        Ok(())
+        unsafe { this.exports.fill(slf.as_any(), view, ptr, claim.len(), true, flags) }
     }
 
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {
-        self.exports.fetch_sub(1, Ordering::SeqCst);
+        self.exports.release();
     }
 
     fn __len__(&self) -> usize {
@@ -360,12 +400,10 @@ impl RecordView {
 
     /// Acknowledges the record: its space returns to producers.
     fn ack(&self) -> PyResult<()> {
-        if self.exports.load(Ordering::SeqCst) > 0 {
-            return Err(PyBufferError::new_err(
-                "ring record is still referenced by a memoryview or numpy array; copy what you keep \
-                 (bytes(view) / np.array(arr)) before leaving the pop_view block",
-            ));
-        }
+        self.exports.ensure_unexported(
+            "ring record",
+            "copy what you keep (bytes(view) / np.array(arr)) before leaving the pop_view block",
+        )?;
         if let Some(c) = self.claim.lock().unwrap().take() {
             c.ack();
         }
@@ -381,7 +419,7 @@ struct RecordWriter {
     id: u64,
     len: usize,
     slot: Mutex<Option<WriteSlot>>,
-    exports: AtomicUsize,
+    exports: BufferExports,
 }
 
 #[pymethods]
@@ -393,15 +431,11 @@ impl RecordWriter {
             return Err(PyBufferError::new_err("this ring record was already committed or abandoned"));
         };
         let ptr = slot.data_mut().as_mut_ptr() as *mut c_void;
-        if unsafe { ffi::PyBuffer_FillInfo(view, slf.as_ptr(), ptr, slot.len() as ffi::Py_ssize_t, 0, flags) } != 0 {
-            return Err(PyErr::fetch(slf.py()));
-        }
-        this.exports.fetch_add(1, Ordering::SeqCst);
-        Ok(())
+        unsafe { this.exports.fill(slf.as_any(), view, ptr, slot.len(), false, flags) }
     }
 
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {
-        self.exports.fetch_sub(1, Ordering::SeqCst);
+        self.exports.release();
     }
 
     fn __len__(&self) -> usize {
@@ -409,11 +443,7 @@ impl RecordWriter {
     }
 
     fn commit(&self) -> PyResult<()> {
-        if self.exports.load(Ordering::SeqCst) > 0 {
-            return Err(PyBufferError::new_err(
-                "reserved ring record is still referenced by a memoryview or numpy array; release it before commit",
-            ));
-        }
+        self.exports.ensure_unexported("reserved ring record", "release it before commit")?;
         match self.slot.lock().unwrap().take() {
             Some(s) => s.commit().map_err(to_py),
             None => Err(PyRingError::new_err("ring record was already committed or abandoned")),

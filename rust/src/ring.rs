@@ -55,6 +55,16 @@ struct RecHdr {
 }
 const _: () = assert!(std::mem::size_of::<RecHdr>() as u64 == HDR);
 
+/// A record header as read at a cursor position.
+struct RecordAt<'a> {
+    hd: &'a RecHdr,
+    state: u64,
+    len: u32,
+    /// Total size; None unless the header is that of a record at this position which fits the
+    /// data area (otherwise the space was reused under a stale cursor, or is damaged).
+    size: Option<u64>,
+}
+
 /// Where reservations go: a Vec for batches, an Option for one record (no allocation).
 trait SlotSink {
     fn put(&mut self, slot: Slot);
@@ -406,20 +416,29 @@ impl Ring {
     }
 }
 
+/// `id`, `len` and `is_empty` of a record handle, read from the slot it holds.
+macro_rules! record_accessors {
+    ($($handle:ty),+) => {$(
+        impl $handle {
+            pub fn id(&self) -> u64 {
+                self.slot.id
+            }
+            pub fn len(&self) -> usize {
+                self.slot.len as usize
+            }
+            pub fn is_empty(&self) -> bool {
+                self.slot.len == 0
+            }
+        }
+    )+};
+}
+
+record_accessors!(WriteSlot, Claim);
+
 impl WriteSlot {
-    pub fn id(&self) -> u64 {
-        self.slot.id
-    }
-    pub fn len(&self) -> usize {
-        self.slot.len as usize
-    }
-    pub fn is_empty(&self) -> bool {
-        self.slot.len == 0
-    }
     pub fn data_mut(&mut self) -> &mut [u8] {
-        let off = (self.slot.pos % self.ring.cap + HDR) as usize;
         // In bounds: reserve_locked placed the whole record inside the data area.
-        unsafe { std::slice::from_raw_parts_mut(self.ring.seg.data().add(off), self.slot.len as usize) }
+        unsafe { std::slice::from_raw_parts_mut(self.ring.payload_ptr(self.slot), self.slot.len as usize) }
     }
     /// Publishes the record to consumers.
     pub fn commit(mut self) -> Result<()> {
@@ -444,19 +463,9 @@ impl Drop for WriteSlot {
 }
 
 impl Claim {
-    pub fn id(&self) -> u64 {
-        self.slot.id
-    }
-    pub fn len(&self) -> usize {
-        self.slot.len as usize
-    }
-    pub fn is_empty(&self) -> bool {
-        self.slot.len == 0
-    }
     pub fn data(&self) -> &[u8] {
-        let off = (self.slot.pos % self.ring.cap + HDR) as usize;
         // In bounds: `next` checked the record lies inside the data area.
-        unsafe { std::slice::from_raw_parts(self.ring.seg.data().add(off), self.slot.len as usize) }
+        unsafe { std::slice::from_raw_parts(self.ring.payload_ptr(self.slot), self.slot.len as usize) }
     }
     /// Raw address of the payload (for zero-copy exports); valid until the claim is acknowledged.
     pub fn as_ptr(&self) -> *const u8 {
@@ -596,6 +605,13 @@ impl Inner {
         kind | self.tag(pos) | ((owner as u64) << 32)
     }
 
+    /// First payload byte of a reserved or claimed record (just past its header).
+    fn payload_ptr(&self, slot: Slot) -> *mut u8 {
+        let off = (slot.pos % self.cap + HDR) as usize;
+        // In bounds: slots come from reserve_locked or `next`, which keep records inside the data area.
+        unsafe { self.seg.data().add(off) }
+    }
+
     /// Header of the record at `pos`, which the caller has verified to be 32-aligned.
     fn hdr_unchecked(&self, pos: u64) -> &RecHdr {
         let off = (pos % self.cap) as usize;
@@ -616,12 +632,22 @@ impl Inner {
         (pos % self.cap + size <= self.cap).then_some(size)
     }
 
+    /// Reads the header at `pos`, which a cursor (read, tail) pointed at.
+    fn record_at(&self, pos: u64) -> Result<RecordAt<'_>> {
+        let hd = self.hdr(pos)?;
+        let state = hd.state.load(Acquire);
+        let len = hd.len.load(Relaxed);
+        let is_here = hd.pos.load(Relaxed) == pos && (state & 0xFFFF_FF00) == self.tag(pos);
+        let size = if is_here { self.checked_size(pos, len) } else { None };
+        Ok(RecordAt { hd, state, len, size })
+    }
+
     fn check_cursors(&self) -> Result<()> {
         let c = self.ctl();
         let t = c.tail.0.load(Acquire);
         let r = c.read.0.load(Acquire);
         let h = c.cursor.0.head.load(Acquire);
-        if !(t <= r && r <= h && h - t <= self.cap) || !(t | r | h).is_multiple_of(ALIGN) {
+        if !(t <= r && r <= h && h - t <= self.cap && (t | r | h).is_multiple_of(ALIGN)) {
             return Err(self.corrupt(format!("cursors tail={t} read={r} head={h} capacity={}", self.cap)));
         }
         Ok(())
@@ -841,12 +867,8 @@ impl Inner {
             if r >= h {
                 return Ok(Next::Empty);
             }
-            let hd = self.hdr(r)?;
-            let st = hd.state.load(Acquire);
-            let len = hd.len.load(Relaxed);
-            let pos_ok = hd.pos.load(Relaxed) == r && (st & 0xFFFF_FF00) == self.tag(r);
-            let size = self.checked_size(r, len);
-            let (true, Some(size)) = (pos_ok, size) else {
+            let RecordAt { hd, state: st, len, size } = self.record_at(r)?;
+            let Some(size) = size else {
                 if c.read.0.load(Acquire) != r {
                     continue; // another consumer moved on and the space was reused
                 }
@@ -886,12 +908,9 @@ impl Inner {
         let mut p = r;
         let mut taken = 0;
         while taken < max_n && p < h {
-            let hd = self.hdr(p)?;
-            let st = hd.state.load(Acquire);
-            let len = hd.len.load(Relaxed);
-            let size = match self.checked_size(p, len) {
-                Some(s) if hd.pos.load(Relaxed) == p && (st & 0xFFFF_FF00) == self.tag(p) => s,
-                _ => break, // moved under us, or damaged: `next` sorts it out (and reports damage)
+            let RecordAt { hd, state: st, len, size } = self.record_at(p)?;
+            let Some(size) = size else {
+                break; // moved under us, or damaged: `next` sorts it out (and reports damage)
             };
             match st & 0xFF {
                 COMMITTED => {
@@ -935,13 +954,12 @@ impl Inner {
         // Liveness checks cost a syscall and a /proc read: remember the last answer.
         let mut known: Option<(u32, bool)> = None;
         while p < r {
-            let hd = self.hdr(p)?;
-            let st = hd.state.load(Acquire);
-            let len = hd.len.load(Relaxed);
-            let size = match self.checked_size(p, len) {
-                Some(s) if hd.pos.load(Relaxed) == p && (st & 0xFFFF_FF00) == self.tag(p) => s,
-                _ if c.tail.0.load(Acquire) != t => return Ok(None), // reused under us; retry later
-                _ => return Err(self.corrupt(format!("record header at position {p} is invalid"))),
+            let RecordAt { hd, state: st, len, size } = self.record_at(p)?;
+            let Some(size) = size else {
+                if c.tail.0.load(Acquire) != t {
+                    return Ok(None); // reused under us; retry later
+                }
+                return Err(self.corrupt(format!("record header at position {p} is invalid")));
             };
             let owner = (st >> 32) as u32;
             let dead = st & 0xFF == CLAIMED && owner != self.pid && {
@@ -979,15 +997,14 @@ impl Inner {
             let r = c.read.0.load(Acquire);
             let mut e = t;
             while e < r {
-                let hd = self.hdr(e)?;
-                let st = hd.state.load(Acquire);
-                let len = hd.len.load(Relaxed);
-                let size = match self.checked_size(e, len) {
-                    Some(s) if hd.pos.load(Relaxed) == e && (st & 0xFFFF_FF00) == self.tag(e) => s,
-                    _ if c.tail.0.load(Acquire) != t => break,
-                    _ => return Err(self.corrupt(format!("record header at position {e} is invalid"))),
+                let RecordAt { state, size, .. } = self.record_at(e)?;
+                let Some(size) = size else {
+                    if c.tail.0.load(Acquire) != t {
+                        break;
+                    }
+                    return Err(self.corrupt(format!("record header at position {e} is invalid")));
                 };
-                if !matches!(st & 0xFF, DONE | SKIPPED | PAD) {
+                if !matches!(state & 0xFF, DONE | SKIPPED | PAD) {
                     break;
                 }
                 e += size;
