@@ -1,9 +1,12 @@
 """PPO's critic on the trainer ranks: a second trained model beside the policy.
 
 The critic is a copy of the initial policy with a zero-initialised scalar head
-(models.ValueModel), trained by the same backend as the policy (its own
-optimizer, gradients averaged over the trainer group the same way). Only the
-policy is synced to the generators; both go into checkpoints.
+(models.ValueModel), trained by its own trainer from the same backend as the
+policy (its own optimizer at algorithm.critic_lr, gradients averaged over the
+trainer group the same way). With DeepSpeed that is a second engine in the
+process, sharing the trainer group's torch.distributed group. Only the policy
+is synced to the generators; both go into checkpoints: for a sharded backend
+each rank's checkpoint shard holds its critic shard next to its policy shard.
 """
 
 from __future__ import annotations
@@ -17,10 +20,8 @@ from rollout_hpc.backends.trainer import make_trainer
 from rollout_hpc.config import UserError
 from rollout_hpc.models import ValueModel
 
-# Backends whose checkpoint is one replicated state (group rank 0 saves it); a sharded backend
-# (DeepSpeed ZeRO, Megatron) would need one critic shard per rank beside the policy's.
-CRITIC_BACKENDS = ("torch",)
-CLIP_EPS_VALUE = 0.2  # value clipping range (no config field yet)
+# Megatron's GPTModel has no value head (and runs only on GPUs, where this could be tested).
+CRITIC_BACKENDS = ("torch", "deepspeed")
 
 
 class CriticError(UserError):
@@ -32,11 +33,14 @@ class Critic:
         if cfg.trainer.backend not in CRITIC_BACKENDS:
             raise CriticError(
                 f"algorithm.name '{cfg.algorithm.name}' needs a critic, which trainer.backend '{cfg.trainer.backend}' "
-                f"does not support yet; use trainer.backend {' or '.join(CRITIC_BACKENDS)}, or a critic-free algorithm "
-                "(grpo, dapo, rloo, reinforce_pp)"
+                f"does not support yet (its model has no value head); use trainer.backend {' or '.join(CRITIC_BACKENDS)}, "
+                "or a critic-free algorithm (grpo, dapo, rloo, reinforce_pp)"
             )
-        self.trainer = make_trainer(cfg, ValueModel(copy.deepcopy(initial_policy)), world)
-        self.agg = cfg.algorithm.loss_agg
+        a = cfg.algorithm
+        # The backend reads its learning rate from algorithm.lr: give the critic's trainer a config with critic_lr there.
+        critic_cfg = cfg.model_copy(update={"algorithm": a.model_copy(update={"lr": a.critic_lr or a.lr})})
+        self.trainer = make_trainer(critic_cfg, ValueModel(copy.deepcopy(initial_policy)), world)
+        self.agg, self.clip = a.loss_agg, a.value_clip
 
     def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[B, T] value of the state each token was sampled in: V(x_<t) at column t (the policy's
@@ -49,7 +53,7 @@ class Critic:
 
         def loss(after_token, b):
             v = _state_before_token(after_token)
-            return algos.value_loss(v, b["old_values"], b["returns"], b["mask"], CLIP_EPS_VALUE, self.agg)
+            return algos.value_loss(v, b["old_values"], b["returns"], b["mask"], self.clip, self.agg)
 
         stats = self.trainer.optimize(batch, loss)
         return {f"critic_{k}": v for k, v in stats.items()}
