@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 from pathlib import Path
 from typing import Callable
@@ -32,101 +33,107 @@ def _has(per_step: dict, key: str) -> bool:
     return key in per_step and not np.isnan(per_step[key]).all()
 
 
-def _no_data(ax, what: str) -> None:
-    ax.text(0.5, 0.5, f"no {what} in this log", ha="center", va="center", transform=ax.transAxes, color="gray")
+def _has_steps(a: RunAnalysis) -> bool:
+    return len(a.per_step["step"]) > 0
 
 
-def reward_figure(a: RunAnalysis):
-    fig, ax = _new("Reward per step", ylabel="reward")
+def _has_rate_intervals(per_step: dict) -> bool:
+    """Step times were logged for at least two steps: tokens / interval can be drawn."""
+    return "time" in per_step and len(per_step["step"]) > 1
+
+
+def _figure(title: str, *, shows: Callable[[RunAnalysis], bool], missing: str, xlabel: str = "train step",
+            ylabel: str = ""):
+    """Turns `draw(a, fig, ax)` into `figure(a) -> Figure`: one titled axis, drawn on where `shows(a)`,
+    else a "no <missing> in this log" note."""
+
+    def decorate(draw: Callable[[RunAnalysis, plt.Figure, plt.Axes], None]) -> Callable[[RunAnalysis], plt.Figure]:
+        @functools.wraps(draw)
+        def figure(a: RunAnalysis) -> plt.Figure:
+            fig, ax = _new(title, xlabel, ylabel)
+            if shows(a):
+                draw(a, fig, ax)
+            else:
+                ax.text(0.5, 0.5, f"no {missing} in this log", ha="center", va="center", transform=ax.transAxes,
+                        color="gray")
+            return fig
+
+        return figure
+
+    return decorate
+
+
+@_figure("Reward per step", shows=_has_steps, missing="trajectories", ylabel="reward")
+def reward_figure(a: RunAnalysis, fig, ax) -> None:
     s = a.per_step
-    if len(s["step"]):
-        ax.fill_between(s["step"], s["reward_min"], s["reward_max"], alpha=0.12, color="C0", label="min - max")
-        ax.fill_between(s["step"], s["reward_mean"] - s["reward_std"], s["reward_mean"] + s["reward_std"],
-                        alpha=0.3, color="C0", label="mean ± std")
-        ax.plot(s["step"], s["reward_mean"], color="C0", label="mean")
-        ax.legend(loc="best")
-    else:
-        _no_data(ax, "trajectories")
-    return fig
+    ax.fill_between(s["step"], s["reward_min"], s["reward_max"], alpha=0.12, color="C0", label="min - max")
+    ax.fill_between(s["step"], s["reward_mean"] - s["reward_std"], s["reward_mean"] + s["reward_std"],
+                    alpha=0.3, color="C0", label="mean ± std")
+    ax.plot(s["step"], s["reward_mean"], color="C0", label="mean")
+    ax.legend(loc="best")
 
 
-def length_figure(a: RunAnalysis):
-    fig, ax = _new("Response length per step", ylabel="tokens")
+@_figure("Response length per step", shows=_has_steps, missing="trajectories", ylabel="tokens")
+def length_figure(a: RunAnalysis, fig, ax) -> None:
+    ax.plot(a.per_step["step"], a.per_step["response_len_mean"], label="mean")
+    ax.plot(a.per_step["step"], a.per_step["response_len_max"], label="max", alpha=0.7)
+    limit = a.summary["response_length"]["max_new_tokens"]
+    if limit:
+        ax.axhline(limit, color="red", linestyle="--", linewidth=1, label=f"max_new_tokens = {limit}")
+    ax.legend(loc="best")
+
+
+@_figure("KL divergence and entropy", shows=lambda a: _has(a.per_step, "kl") or _has(a.per_step, "entropy"),
+         missing="KL or entropy metrics", ylabel="KL to reference")
+def kl_entropy_figure(a: RunAnalysis, fig, ax) -> None:
     s = a.per_step
-    if len(s["step"]):
-        ax.plot(s["step"], s["response_len_mean"], label="mean")
-        ax.plot(s["step"], s["response_len_max"], label="max", alpha=0.7)
-        limit = a.summary["response_length"]["max_new_tokens"]
-        if limit:
-            ax.axhline(limit, color="red", linestyle="--", linewidth=1, label=f"max_new_tokens = {limit}")
-        ax.legend(loc="best")
-    else:
-        _no_data(ax, "trajectories")
-    return fig
-
-
-def kl_entropy_figure(a: RunAnalysis):
-    fig, ax = _new("KL divergence and entropy", ylabel="KL to reference")
-    s = a.per_step
-    drawn = False
     if _has(s, "kl"):
         ax.plot(s["step"], s["kl"], color="C1", label="KL")
-        drawn = True
     if _has(s, "entropy"):
         right = ax.twinx()
         right.plot(s["step"], s["entropy"], color="C2", label="entropy")
         right.set_ylabel("entropy (nats / token)")
         fig.legend(loc="upper right", bbox_to_anchor=(0.88, 0.88))
-        drawn = True
-    if not drawn:
-        _no_data(ax, "KL or entropy metrics")
-    return fig
 
 
-def throughput_figure(a: RunAnalysis):
-    fig, ax = _new("Throughput", ylabel="tokens / s")
+@_figure("Throughput", shows=lambda a: _has(a.per_step, "tokens_per_s") or _has_rate_intervals(a.per_step),
+         missing="throughput metrics", ylabel="tokens / s")
+def throughput_figure(a: RunAnalysis, fig, ax) -> None:
     s = a.per_step
     if _has(s, "tokens_per_s"):
         ax.plot(s["step"], s["tokens_per_s"], label="reported by the trainer")
-    if "time" in s and len(s["step"]) > 1:
+    if _has_rate_intervals(s):
         dt = np.diff(s["time"])
         with np.errstate(divide="ignore", invalid="ignore"):
             rate = np.where(dt > 0, s["tokens_mean"][1:] * s["samples"][1:] / dt, np.nan)
         ax.plot(s["step"][1:], rate, alpha=0.6, label="logged tokens / step interval")
-    if ax.lines:
-        ax.legend(loc="best")
-    else:
-        _no_data(ax, "throughput metrics")
-    return fig
+    ax.legend(loc="best")
 
 
-def staleness_figure(a: RunAnalysis):
-    fig, ax = _new("Staleness of trained trajectories", xlabel="policy versions behind the trainer", ylabel="trajectories")
+@_figure("Staleness of trained trajectories", shows=lambda a: a.staleness_hist.sum() > 0, missing="trajectories",
+         xlabel="policy versions behind the trainer", ylabel="trajectories")
+def staleness_figure(a: RunAnalysis, fig, ax) -> None:
     hist = a.staleness_hist
-    if hist.sum():
-        ax.bar(np.arange(len(hist)), hist, width=0.8)
-        bound = a.summary["staleness"]["bound"]
-        if bound is not None:
-            ax.axvline(bound + 0.5, color="red", linestyle="--", linewidth=1, label=f"max_staleness = {bound}")
-            ax.legend(loc="best")
-        ax.set_xticks(np.arange(len(hist)))
-    else:
-        _no_data(ax, "trajectories")
-    return fig
+    ax.bar(np.arange(len(hist)), hist, width=0.8)
+    bound = a.summary["staleness"]["bound"]
+    if bound is not None:
+        ax.axvline(bound + 0.5, color="red", linestyle="--", linewidth=1, label=f"max_staleness = {bound}")
+        ax.legend(loc="best")
+    ax.set_xticks(np.arange(len(hist)))
 
 
-def time_figure(a: RunAnalysis):
-    fig, ax = _new("Where the time went, per step", ylabel="seconds")
-    s = a.per_step
-    parts = [p for p in TIME_PARTS if _has(s, p)]
-    if parts:
-        totals = a.summary["time_s"]
-        ax.stackplot(s["step"], *[np.nan_to_num(s[p]) for p in parts],
-                     labels=[f"{p.removesuffix('_time')} ({totals.get(p, 0):.0f} s total)" for p in parts], alpha=0.8)
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
-    else:
-        _no_data(ax, "timing metrics")
-    return fig
+def _time_parts(a: RunAnalysis) -> list[str]:
+    """The timing metrics this log has values for."""
+    return [p for p in TIME_PARTS if _has(a.per_step, p)]
+
+
+@_figure("Where the time went, per step", shows=lambda a: bool(_time_parts(a)), missing="timing metrics",
+         ylabel="seconds")
+def time_figure(a: RunAnalysis, fig, ax) -> None:
+    parts, totals = _time_parts(a), a.summary["time_s"]
+    ax.stackplot(a.per_step["step"], *[np.nan_to_num(a.per_step[p]) for p in parts],
+                 labels=[f"{p.removesuffix('_time')} ({totals.get(p, 0):.0f} s total)" for p in parts], alpha=0.8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
 
 
 FIGURES: dict[str, Callable[[RunAnalysis], plt.Figure]] = {
