@@ -60,7 +60,12 @@ TAG_DATA, TAG_ACK, TAG_END, TAG_ABORT = 31, 32, 33, 34
 _POISON = b"RHERR"  # a ring record that carries a fatal error to every trainer rank of the node
 _FLUSH = b"RHFLUSH"  # a ring record that asks the forwarder to report when all before it is delivered
 _DONE = b"RHDONE"  # a ring record: one rank of the node will put nothing more
-_IDLE_SLEEP = (20e-6, 2e-3)  # backoff between polls when there is nothing to do
+# How the threads wait (docs/exchange.md, "Waiting"). A ring wait is a futex sleep that ends the moment a
+# record is pushed; MPI offers no such wait (a blocking Probe spins a core), so MPI is polled with a back-off.
+_RING_WAIT = 0.05  # forwarder with nothing in MPI to watch: sleep on the ring this long between ABORT checks
+_MPI_POLL = (50e-6, 1e-3)  # forwarder watching sends/ACKs: first and longest wait between MPI polls
+_RECV_POLL_HUNGRY = (50e-6, 100e-6)  # receiver while a trainer rank of this process waits in get()
+_RECV_POLL_IDLE = (50e-6, 2e-3)  # receiver while the trainers are busy (a batch would only wait in the ring)
 
 
 class ExchangeError(RuntimeError):
@@ -90,17 +95,20 @@ def _unlink_quietly(ring) -> None:
 
 
 class _Backoff:
-    """Sleep a little longer each idle round, so waiting threads do not spin a shared core."""
+    """Wait a little longer each idle round (doubling up to a cap), so polling threads do not spin a shared core."""
 
-    def __init__(self):
-        self.delay = _IDLE_SLEEP[0]
+    def __init__(self, first: float, cap: float):
+        self.first, self.cap, self.delay = first, cap, first
 
-    def idle(self):
-        time.sleep(self.delay)
-        self.delay = min(self.delay * 2, _IDLE_SLEEP[1])
+    def next(self, cap: float | None = None) -> float:
+        """The wait for this idle round; the next one doubles, up to `cap` (default: the constructor's)."""
+        cap = self.cap if cap is None else cap
+        delay = self.delay = min(self.delay, cap)
+        self.delay = min(delay * 2, cap)
+        return delay
 
-    def busy(self):
-        self.delay = _IDLE_SLEEP[0]
+    def reset(self):
+        self.delay = self.first
 
 
 class Exchange:
@@ -136,6 +144,9 @@ class Exchange:
         self._ended = False
         self._closed = False
         self._worker = None
+        # Trainers: set while this process waits in get(); the receiver then polls MPI at its fast cadence.
+        self._hungry = threading.Event()
+        self._wake = threading.Event()  # cuts the receiver's current back-off short when a get() starts waiting
         if world.is_node_leader:
             self._worker = (_Forwarder if world.is_generator else _Receiver)(self)
             self._worker.start()
@@ -210,12 +221,18 @@ class Exchange:
             while have < n_records and not self._ended:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
-                    buf = self.ring.pop(timeout=left)
+                    buf = self.ring.try_pop()
+                    if buf is None:  # about to wait: the node's receiver polls MPI fast until a batch comes
+                        self._hungry.set()
+                        self._wake.set()
+                        buf = self.ring.pop(timeout=left)
                 except self._RingTimeout:
                     raise TimeoutError(f"{have} of {n_records} trajectories arrived within {timeout}s") from None
                 except self._RingClosed:
                     self._ended = True
                     break
+                finally:
+                    self._hungry.clear()
                 batch = self._check_record(buf)
                 parts.append(batch)
                 have += len(batch)
@@ -320,8 +337,8 @@ class _Worker(threading.Thread):
 class _Claim:
     """A ring record claimed without copying (pop_view held open across loop rounds), released by hand."""
 
-    def __init__(self, ring):
-        self._cm = ring.pop_view(timeout=0)
+    def __init__(self, ring, timeout: float):
+        self._cm = ring.pop_view(timeout=timeout)  # waits without the GIL, woken by the next push
         self.view = self._cm.__enter__()  # RingTimeout when empty, RingClosed when closed and drained
 
     def release(self):
@@ -353,12 +370,17 @@ class _Forwarder(_Worker):
         self.status = self.MPI.Status()
 
     def loop(self):
-        staged, drained, backoff = None, False, _Backoff()
+        staged, drained, backoff = None, False, _Backoff(*_MPI_POLL)
         while True:
             busy = self._progress()
+            waited = False
             if staged is None and not drained:
-                staged, drained = self._pop()
+                # Wait for the next record on the ring itself: a push wakes us at once. While MPI has
+                # something to watch (sends to complete, ACKs to take) the wait is the back-off's.
+                wait = 0.0 if busy else backoff.next() if self._mpi_pending() else _RING_WAIT
+                staged, drained = self._pop(wait)
                 busy |= staged is not None
+                waited = wait > 0
             if staged is not None and len(staged.view) <= len(_FLUSH):
                 head = bytes(staged.view)
                 staged.release()
@@ -380,14 +402,21 @@ class _Forwarder(_Worker):
                     self.lock.notify_all()
             if drained and staged is None and self.inflight == 0 and not self.sending:
                 break
-            backoff.busy() if busy else backoff.idle()
+            if busy:
+                backoff.reset()
+            elif not waited:  # a record is staged (budget full) or the ring is drained: only MPI can move
+                time.sleep(backoff.next())
         self._to_all_trainers(TAG_END, b"")
 
-    def _pop(self):
+    def _mpi_pending(self) -> bool:
+        """Sends not yet complete or bytes not yet acknowledged: MPI must be polled, not only the ring."""
+        return bool(self.sending) or self.inflight > 0
+
+    def _pop(self, timeout: float):
         """(claimed record or None, drained): drained once the ring is closed and empty."""
         closed = self.ex.ring.closed
         try:
-            return _Claim(self.ex.ring), False
+            return _Claim(self.ex.ring, timeout), False
         except self.ex._RingTimeout:
             return None, closed
         except self.ex._RingClosed:
@@ -490,14 +519,19 @@ class _Receiver(_Worker):
         self.status = self.MPI.Status()
 
     def loop(self):
-        MPI, ring, backoff = self.MPI, self.ex.ring, _Backoff()
+        MPI, ring, backoff = self.MPI, self.ex.ring, _Backoff(*_RECV_POLL_IDLE)
+        hungry, wake = self.ex._hungry, self.ex._wake
         while self.ends < self.n_sources:
             self.acks = [(r, b) for r, b in self.acks if not r.Test()]
             msg = self.comm.Improbe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=self.status)
             if msg is None:
-                backoff.idle()
+                # A trainer waiting in get() wants the batch now: poll fast. Otherwise back off further (a batch
+                # would only sit in the ring), and a get() that starts waiting ends the back-off early.
+                if wake.wait(backoff.next(_RECV_POLL_HUNGRY[1] if hungry.is_set() else None)):
+                    wake.clear()
+                    backoff.reset()
                 continue
-            backoff.busy()
+            backoff.reset()
             source, tag, count = self.status.Get_source(), self.status.Get_tag(), self.status.Get_count(MPI.BYTE)
             if tag == TAG_DATA:
                 self._receive_batch(msg, source, count)
