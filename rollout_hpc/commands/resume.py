@@ -7,12 +7,12 @@ import os
 import shlex
 
 from rollout_hpc.commands import err, out
-from rollout_hpc.launch import EXIT_CONTINUE, rundir
+from rollout_hpc.launch import rundir
 from rollout_hpc.launch.resume import FORCE_ENV, ResumePlan, apply_plan, plan_resume
 
 
 def run(args: argparse.Namespace) -> int:
-    from rollout_hpc.launch.local import mpirun_command, require_mpirun, run_local
+    from rollout_hpc.launch.local import record_mpirun_command, require_mpirun, run_local
     from rollout_hpc.launch.submit import resolve_launcher, sbatch
 
     plan = plan_resume(args.run_dir, args.overrides, force=args.force, dry_run=args.dry_run)
@@ -38,14 +38,9 @@ def run(args: argparse.Namespace) -> int:
         out.print(f"submitted job: {job_id}")
         out.print(f"follow it: rollout-hpc status {plan.run_dir}   logs: {plan.run_dir / rundir.LOGS}/", markup=False)
         return 0
-    command = mpirun_command(plan.cfg, plan.run_dir)
-    rundir.update_manifest(plan.run_dir, lambda m: m.update(local_command=command))
+    command = record_mpirun_command(plan.cfg, plan.run_dir)
     out.print(f"running here: {shlex.join(command)}", markup=False, highlight=False)
-    code = run_local(plan.cfg, plan.run_dir, out)
-    out.print(f"mpirun exited with code {code}; log: {plan.run_dir / rundir.LOGS}/", markup=False)
-    if code == EXIT_CONTINUE:
-        out.print(f"the run checkpointed and stopped early; continue it with `rollout-hpc resume {plan.run_dir}`", markup=False)
-    return code
+    return run_local(plan.cfg, plan.run_dir, out)
 
 
 def _describe(plan: ResumePlan) -> None:

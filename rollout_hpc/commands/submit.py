@@ -8,8 +8,8 @@ from pathlib import Path
 
 from rollout_hpc.commands import add_config_arguments, config_path, load, out
 from rollout_hpc.config import UserError
-from rollout_hpc.launch import EXIT_CONTINUE, rundir
-from rollout_hpc.launch.local import mpirun_command, require_mpirun, run_local
+from rollout_hpc.launch import rundir
+from rollout_hpc.launch.local import record_mpirun_command, require_mpirun, run_local
 from rollout_hpc.launch.submit import resolve_launcher, submit_slurm
 
 
@@ -36,17 +36,12 @@ def run(args: argparse.Namespace) -> int:
         run_dir or cfg.run.resolved_dir(), cfg, config_path(args),
         launcher="local", script=None, overrides=args.overrides, dry_run=args.dry_run,
     )
-    command = mpirun_command(cfg, run_dir)
-    rundir.update_manifest(run_dir, lambda m: m.update(local_command=command))
+    command = record_mpirun_command(cfg, run_dir)
     out.print(f"run directory: {run_dir}")
     if args.dry_run:
         out.print(f"dry run: would run {shlex.join(command)}")
         return 0
-    code = run_local(cfg, run_dir, out)
-    out.print(f"mpirun exited with code {code}; log: {run_dir / rundir.LOGS}/")
-    if code == EXIT_CONTINUE:
-        out.print(f"the run checkpointed and stopped early; continue it with `rollout-hpc resume {run_dir}`")
-    return code
+    return run_local(cfg, run_dir, out)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

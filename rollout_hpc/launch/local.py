@@ -8,7 +8,6 @@ World ranks are ordered like `srun --het-group=0,1`: all generator ranks first.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,8 +15,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from rollout_hpc.config import Config, UserError
-from rollout_hpc.launch import rundir
+from rollout_hpc.config import Config
+from rollout_hpc.launch import EXIT_CONTINUE, rundir
+from rollout_hpc.launch.executables import require_executable
 
 # Signals the foreground process passes on to mpirun; mpirun forwards USR1/USR2 to every rank
 # and ends the job on INT/TERM.
@@ -26,13 +26,11 @@ ENTRY = ["-m", "rollout_hpc.runtime.entry"]
 
 
 def require_mpirun() -> str:
-    path = shutil.which("mpirun")
-    if path is None:
-        raise UserError(
-            "the local launcher needs `mpirun` (Open MPI) on PATH; install openmpi-bin, "
-            "or submit to Slurm with launcher: slurm"
-        )
-    return path
+    return require_executable(
+        "mpirun",
+        "the local launcher needs `mpirun` (Open MPI) on PATH; install openmpi-bin, "
+        "or submit to Slurm with launcher: slurm",
+    )
 
 
 def mpirun_command(cfg: Config, run_dir: Path, python: str = sys.executable) -> list[str]:
@@ -48,6 +46,13 @@ def mpirun_command(cfg: Config, run_dir: Path, python: str = sys.executable) -> 
     return cmd
 
 
+def record_mpirun_command(cfg: Config, run_dir: Path) -> list[str]:
+    """mpirun_command, also kept in the manifest (local_command): how this run is started here."""
+    command = mpirun_command(cfg, run_dir)
+    rundir.update_manifest(run_dir, lambda m: m.update(local_command=command))
+    return command
+
+
 def launch_env() -> dict[str, str]:
     # Not PYTHONUNBUFFERED: it splits a print into two writes, which mpirun may interleave across ranks.
     env = dict(os.environ, ROLLOUT_LAUNCHER="local")
@@ -57,7 +62,8 @@ def launch_env() -> dict[str, str]:
 
 
 def run_local(cfg: Config, run_dir: Path, console: Console | None = None) -> int:
-    """Run the job in the foreground, streaming rank output to the console and logs/local-<n>.out.
+    """Run the job in the foreground, streaming rank output to the console and logs/local-<n>.out,
+    then say how it ended (and how to continue a run that checkpointed and stopped early).
 
     Returns mpirun's exit code (128 + N when it died of signal N).
     """
@@ -111,4 +117,8 @@ def run_local(cfg: Config, run_dir: Path, console: Console | None = None) -> int
                 record.update(exit_code=exit_code, ended=rundir.now_utc())
 
     rundir.update_manifest(run_dir, finish)
+    console.print(f"mpirun exited with code {exit_code}; log: {run_dir / rundir.LOGS}/", markup=False)
+    if exit_code == EXIT_CONTINUE:
+        console.print(f"the run checkpointed and stopped early; continue it with `rollout-hpc resume {run_dir}`",
+                      markup=False)
     return exit_code

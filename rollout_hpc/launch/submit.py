@@ -9,6 +9,7 @@ from pathlib import Path
 
 from rollout_hpc.config import Config, UserError
 from rollout_hpc.launch import rundir
+from rollout_hpc.launch.executables import require_executable
 from rollout_hpc.launch.render import render_script
 
 SBATCH_TIMEOUT_S = 120
@@ -32,14 +33,12 @@ def resolve_launcher(cfg: Config, force_local: bool = False) -> str:
 
 
 def require_sbatch() -> str:
-    path = shutil.which("sbatch")
-    if path is None:
-        raise UserError(
-            "launcher 'slurm' needs the `sbatch` command, but it is not on PATH. "
-            "Run this on a Slurm login node (or `module load slurm`), or run on this machine with "
-            "`rollout-hpc submit CONFIG --local` (or launcher: local in the config)."
-        )
-    return path
+    return require_executable(
+        "sbatch",
+        "launcher 'slurm' needs the `sbatch` command, but it is not on PATH. "
+        "Run this on a Slurm login node (or `module load slurm`), or run on this machine with "
+        "`rollout-hpc submit CONFIG --local` (or launcher: local in the config).",
+    )
 
 
 def sbatch(script: Path, *, dependency: str | None = None, export: str | None = None) -> str:
