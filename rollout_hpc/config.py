@@ -260,6 +260,14 @@ class Config(_Section):
             raise ValueError("generator.backend 'vllm' needs generator.gpus_per_task >= 1; use backend 'hf' on CPUs")
         if self.trainer.backend == "megatron" and self.trainer.gpus_per_task < 1:
             raise ValueError("trainer.backend 'megatron' needs trainer.gpus_per_task >= 1; use 'torch' or 'deepspeed' on CPUs")
+        if self.trainer.backend == "megatron" and self.trainer.pipeline_parallel > 1:
+            raise ValueError(
+                "trainer.pipeline_parallel > 1 is not wired into the RL loop yet; set it to 1 and split the model with "
+                "trainer.tensor_parallel (the remaining trainer ranks are data parallel)")
+        if self.trainer.backend == "megatron" and self.algorithm.name == "ppo":
+            raise ValueError(
+                "algorithm.name 'ppo' needs a critic, which trainer.backend 'megatron' does not have; use trainer.backend "
+                "'deepspeed' (zero_stage 3 shards policy and critic) or 'torch', or a critic-free algorithm (grpo, dapo, rloo, reinforce_pp)")
         if self.slurm.signal_lead_seconds >= self.slurm.time_seconds:
             raise ValueError(
                 f"slurm.time ({self.slurm.time} = {self.slurm.time_seconds}s) must be longer than "

@@ -56,6 +56,8 @@ def test_unknown_key_names_field_and_line(tmp_path):
     pytest.param("slurm:\n  time: '00:01:00'\n  signal_lead_seconds: 120\n", ["slurm.time", "signal_lead_seconds"],
                  id="time_must_exceed_signal_lead"),
     pytest.param("slurm:\n  time: soon\n", ["slurm.time (line 2)", "HH:MM:SS"], id="bad_slurm_time_syntax"),
+    pytest.param("slurm: {gpus_per_node: 4}\ntrainer: {backend: megatron, gpus_per_task: 1, pipeline_parallel: 2}\n",
+                 ["trainer.pipeline_parallel > 1 is not wired", "trainer.tensor_parallel"], id="megatron_pipeline_parallel"),
 ])
 def test_invalid_config_is_named(tmp_path, text, expected):
     msg = error_of(write(tmp_path, text))

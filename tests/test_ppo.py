@@ -7,6 +7,8 @@ from __future__ import annotations
 import io
 import shutil
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import torch
@@ -124,9 +126,13 @@ def test_ppo_on_deepspeed_zero3_trains_the_critic_and_resumes_it_exactly(tmp_pat
     assert [m["critic_loss"] for m in got_m] == [m["critic_loss"] for m in metrics]
 
 
-def test_ppo_with_megatron_is_a_clear_error(tmp_path):
-    # Megatron's GPT model has no value head here; the check comes before any GPU is needed.
-    _, res = run_loop(tmp_path, [*PPO, "algorithm.steps=1", "trainer.backend=megatron", "trainer.gpus_per_task=1"], timeout=120)
-    assert res.returncode == 2, res.stderr[-4000:]
-    assert "trainer.backend 'megatron' does not support yet" in res.stderr
-    assert "Traceback" not in res.stderr
+def test_ppo_with_megatron_is_refused_by_validate(tmp_path):
+    # Megatron's GPT model has no value head here: the config says so before anything is submitted.
+    write_config(tmp_path, [*PPO])
+    config = tmp_path / "config.resolved.yaml"
+    done = subprocess.run([sys.executable, "-m", "rollout_hpc", "validate", config, "--set", "algorithm.name=ppo",
+                           "--set", "trainer.backend=megatron", "--set", "trainer.gpus_per_task=1",
+                           "--set", "slurm.gpus_per_node=1"], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "algorithm.name 'ppo' needs a critic, which trainer.backend 'megatron' does not have" in done.stderr
+    assert "Traceback" not in done.stderr

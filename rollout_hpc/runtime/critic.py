@@ -20,22 +20,12 @@ from rollout_hpc.backends.trainer import make_trainer
 from rollout_hpc.config import UserError
 from rollout_hpc.models import ValueModel
 
-# Megatron's GPTModel has no value head (and runs only on GPUs, where this could be tested).
-CRITIC_BACKENDS = ("torch", "deepspeed")
-
-
 class CriticError(UserError):
     """A setting the critic cannot run with (user-fixable)."""
 
 
 class Critic:
     def __init__(self, cfg, initial_policy: torch.nn.Module, world):
-        if cfg.trainer.backend not in CRITIC_BACKENDS:
-            raise CriticError(
-                f"algorithm.name '{cfg.algorithm.name}' needs a critic, which trainer.backend '{cfg.trainer.backend}' "
-                f"does not support yet (its model has no value head); use trainer.backend {' or '.join(CRITIC_BACKENDS)}, "
-                "or a critic-free algorithm (grpo, dapo, rloo, reinforce_pp)"
-            )
         a = cfg.algorithm
         # The backend reads its learning rate from algorithm.lr: give the critic's trainer a config with critic_lr there.
         critic_cfg = cfg.model_copy(update={"algorithm": a.model_copy(update={"lr": a.critic_lr or a.lr})})
