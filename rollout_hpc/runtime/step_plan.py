@@ -68,8 +68,8 @@ class StepPlan:
         if self.done:
             raise RuntimeError("StepPlan.advance after the last round")
         self.informative += informative_in_round
-        missing = self.target - self.informative
-        if missing <= 0 or self.rounds >= self.max_rounds:
+        missing = algos.groups_to_refill(self.target, self.informative)
+        if missing == 0 or self.rounds >= self.max_rounds:
             self.done = True
             return False
         self.round_start, self.end = self.end, self.end + missing
