@@ -7,14 +7,19 @@ DeepSpeed finds it initialised and never looks for a launcher's environment.
 
 Under ZeRO-3 the parameters are partitioned: `full_weights` gathers them
 (collective over the group) so the weight sync can send whole tensors.
-Optimizer states stay partitioned; a checkpoint keeps each rank's shard as an
-opaque blob, so a resume needs the same number of trainer ranks.
+
+Checkpoints are independent of the ZeRO layout: each rank's shard holds the
+whole (unpartitioned) fp32 master value and AdamW moments of every n-th
+parameter, by name (parameter i on rank i % n), so no rank ever holds the whole
+optimizer. Loading redistributes them parameter by parameter from whichever rank
+read them, and each rank keeps the slice its own partition owns: a run resumes
+on the same or a different number of trainer ranks and ZeRO stage, exactly.
 """
 
 from __future__ import annotations
 
-import io
 import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -133,13 +138,11 @@ class DeepSpeedTrainer(Trainer):
     sharded_checkpoint = True
 
     def state_dict_for_checkpoint(self) -> dict[str, Any]:
-        """This rank's shard: its partition of the optimizer (an opaque torch.save blob: DeepSpeed's
-        state holds Python objects HDF5 cannot), and on group rank 0 the full weights."""
+        """This rank's shard: its share of the optimizer by parameter name (see the module doc), and on
+        group rank 0 the full weights. Collective over the trainer group."""
         weights = self.full_weights()  # collective under ZeRO-3
-        blob = io.BytesIO()
-        torch.save(self.engine.optimizer.state_dict(), blob)
         state = {
-            "optimizer_blob": np.frombuffer(blob.getvalue(), np.uint8),
+            "optimizer": self._optimizer_share(),
             "zero_stage": self.stage,
             "n_ranks": self.world.group_size,
             "rng": capture_rng_state(),
@@ -150,18 +153,123 @@ class DeepSpeedTrainer(Trainer):
         return state
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        n = self.world.group_size
-        if int(state["zero_stage"]) != self.stage or int(state["n_ranks"]) != n:
-            raise TrainerError(
-                f"the checkpoint's DeepSpeed state is for ZeRO-{int(state['zero_stage'])} over {int(state['n_ranks'])} rank(s); "
-                f"this run has ZeRO-{self.stage} over {n}: resume with the same trainer.zero_stage and trainer ranks"
-            )
+        """Collective. `state["optimizer"]["params"]` may hold any parameters, as long as every one is held
+        by some rank: after a change of trainer count the checkpointer gives each rank the union of the
+        shards it read (runtime/checkpointing.py)."""
+        if "optimizer" not in state:
+            raise TrainerError("the checkpoint's DeepSpeed state is an opaque per-rank optimizer blob (written by an older "
+                               "rollout-hpc); resume it with that version, or start a new run")
+        saved = f"ZeRO-{int(state['zero_stage'])} over {int(state['n_ranks'])} rank(s)"
+        now = f"ZeRO-{self.stage} over {self.world.group_size} rank(s)"
         self.load_full_weights(state.get("weights"))
-        sd = torch.load(io.BytesIO(np.asarray(state["optimizer_blob"], np.uint8).tobytes()), weights_only=False)
-        if self.stage == 0:
-            self.engine.optimizer.load_state_dict(sd)
-        else:
-            # ZeRO's loader takes every rank's state and picks its own by data-parallel rank.
-            self.engine.optimizer.load_state_dict([sd] * n, load_from_fp32_weights=True)
+        self._load_optimizer_share(state["optimizer"])
         restore_rng_state(state["rng"])
         self.steps_done = int(state["steps_done"])
+        if saved != now and self.world.group_rank == 0:
+            print(f"rollout-hpc: resharded the DeepSpeed state: {saved} -> {now}", file=sys.stderr, flush=True)
+
+    # --- the optimizer by parameter name -----------------------------------------------
+    def _base_optimizer(self) -> torch.optim.Optimizer:
+        """The torch AdamW itself (ZeRO wraps it; its state is keyed by the flat fp32 partitions)."""
+        return getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+
+    def _master_tensors(self) -> list[torch.Tensor]:
+        """The tensors the AdamW steps: ZeRO's flat fp32 partitions of this rank, or the parameters themselves."""
+        opt = self.engine.optimizer
+        for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition"):
+            if getattr(opt, attr, None) is not None:
+                return list(getattr(opt, attr))
+        return list(self.module.parameters())
+
+    def _adam_step(self) -> torch.Tensor | None:
+        """AdamW's step count (the same for every tensor it steps); None before the first step."""
+        state = self._base_optimizer().state
+        for tensor in self._master_tensors():
+            if "step" in state.get(tensor, {}):
+                return torch.as_tensor(state[tensor]["step"]).clone()
+        return None
+
+    def _full(self, param, key: str) -> torch.Tensor:
+        """The whole fp32 master value ("fp32") or AdamW moment of `param`. Collective under ZeRO."""
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        if hasattr(param, "ds_id") or hasattr(param, "_hp_mapping"):  # partitioned by ZeRO (or bf16's fp32 copy)
+            return safe_get_full_fp32_param(param) if key == "fp32" else safe_get_full_optimizer_state(param, key)
+        return param.data if key == "fp32" else self._base_optimizer().state[param][key]
+
+    def _set_full(self, param, key: str, value: torch.Tensor) -> None:
+        """Set this rank's part of `param`'s fp32 master value or AdamW moment from the whole `value`."""
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        if hasattr(param, "ds_id"):
+            # ZeRO-3 slices rank r's partition at r * partition size: the last one runs into the alignment padding.
+            padded = torch.zeros(param.partition_numel() * self.world.group_size, dtype=value.dtype)
+            padded[: value.numel()] = value.reshape(-1)
+            value = padded
+        if hasattr(param, "ds_id") or hasattr(param, "_hp_mapping"):
+            if key == "fp32":
+                safe_set_full_fp32_param(param, value)
+            else:
+                safe_set_full_optimizer_state(param, value, key)
+        else:
+            target = param.data if key == "fp32" else self._base_optimizer().state[param][key]
+            target.copy_(value.view_as(target))
+
+    def _optimizer_share(self) -> dict[str, Any]:
+        n, me = self.world.group_size, self.world.group_rank
+        step = self._adam_step()
+        keys = ("fp32",) if step is None else ("fp32", *ADAM_MOMENTS)
+        params = {}
+        for i, (name, param) in enumerate(self.module.named_parameters()):
+            whole = {key: self._full(param, key) for key in keys}  # every rank joins the gathers ...
+            if i % n == me:  # ... and keeps every n-th parameter
+                params[name] = {key: t.detach().float().cpu().reshape(_shape(param)).clone() for key, t in whole.items()}
+        share: dict[str, Any] = {"params": params}
+        if step is not None:
+            share["step"] = step
+        return share
+
+    def _load_optimizer_share(self, share: dict[str, Any]) -> None:
+        comm = self.world.group_comm
+        held = share.get("params", {})
+        owner: dict[str, int] = {}
+        for rank, names in enumerate(comm.allgather(sorted(held))):
+            for name in names:
+                owner.setdefault(name, rank)
+        named = list(self.module.named_parameters())
+        missing = [name for name, _ in named if name not in owner]
+        if missing or len(owner) != len(named):
+            unknown = sorted(set(owner) - {name for name, _ in named})
+            raise TrainerError(f"the checkpoint's optimizer state does not match this model (missing {missing[:3]}, "
+                               f"unknown {unknown[:3]}): resume with the model the checkpoint was written for")
+        keys = ("fp32",)
+        if "step" in share:
+            keys = ("fp32", *ADAM_MOMENTS)
+            step = share["step"]
+            base = self._base_optimizer()
+            for tensor in self._master_tensors():  # a fresh engine has no AdamW state yet: make it, then fill it
+                st = base.state[tensor]
+                st["step"] = torch.as_tensor(step).clone()
+                for key in ADAM_MOMENTS:
+                    st[key] = torch.zeros_like(tensor)  # zero also in ZeRO's alignment padding, as after any step
+            if hasattr(self.engine.optimizer, "_lazy_init_hp_params_optimizer_state"):
+                self.engine.optimizer._hp_optimizer_states_linked = False
+                self.engine.optimizer._lazy_init_hp_params_optimizer_state()  # ZeRO-1/2: views of the new state
+        for name, param in named:
+            numel = int(np.prod(_shape(param)))
+            buf = np.empty((len(keys), numel), np.float32)
+            if owner[name] == comm.Get_rank():
+                for row, key in enumerate(keys):
+                    buf[row] = torch.as_tensor(held[name][key]).reshape(-1).numpy()
+            comm.Bcast(buf, root=owner[name])
+            for row, key in enumerate(keys):
+                self._set_full(param, key, torch.from_numpy(buf[row]).view(_shape(param)))
+
+
+# AdamW's per-element state besides the fp32 master value.
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _shape(param) -> tuple[int, ...]:
+    """A parameter's full shape (ZeRO-3 leaves an empty placeholder in `param.shape`)."""
+    return tuple(getattr(param, "ds_shape", param.shape))

@@ -88,9 +88,10 @@ class Checkpointer:
         """Load the newest valid checkpoint into `trainer`; returns the steps already done (0 if none).
         Collective over the trainer group."""
         store, g = self.store, self.world.group_comm
-        shard = self.world.group_rank if trainer.sharded_checkpoint else None
-        if trainer.sharded_checkpoint or self.world.group_rank == 0:
-            found = store.load_latest_valid(self.run_dir, shard=shard)
+        if trainer.sharded_checkpoint:
+            found = self._load_shards()
+        elif self.world.group_rank == 0:
+            found = store.load_latest_valid(self.run_dir)
         else:
             found = None
         step = g.bcast(None if found is None else int(found[1]["loop"]["step"]), root=0)
@@ -109,3 +110,36 @@ class Checkpointer:
         if self.world.group_rank == 0:
             print(f"rollout-hpc: resumed from {found[0]} (after step {step})", file=sys.stderr, flush=True)
         return step
+
+    def _load_shards(self):
+        """(path, state, meta) of this rank's part of the newest sharded checkpoint, or None. Collective.
+
+        Group rank 0 picks the checkpoint (the newest valid one). Rank r of M reads shard r, and after a
+        change of trainer count (N shards) also shards r+M, r+2M, ... (or shard r mod N when r >= N); it
+        gets their deep union (runtime checkpointing's one rule; the backend's shards are made for it:
+        per-parameter entries by name, common entries equal in every shard)."""
+        store, g, r, m = self.store, self.world.group_comm, self.world.group_rank, self.world.group_size
+        first = store.load_latest_valid(self.run_dir, shard=0) if r == 0 else None
+        if first is not None and "n_shards" not in first[2]:
+            raise store.CheckpointError(f"{first[0]} was written by the replicated '{first[2].get('backend')}' trainer, "
+                                        f"not one checkpoint shard per rank: resume with trainer.backend={first[2].get('backend')}")
+        chosen = g.bcast(None if first is None else (str(first[0].parent), int(first[2]["n_shards"]), int(first[2]["step"])), root=0)
+        if chosen is None:
+            return None
+        directory, n, step = Path(chosen[0]), chosen[1], chosen[2]
+        info = store.CheckpointInfo(step, directory, True)
+        wanted = [r % n, *(s for s in range(r, n, m) if s != r % n)]
+        found = [first if (s == 0 and first is not None) else store.load_checkpoint(info, shard=s) for s in wanted]
+        return found[0][0], _deep_union([state for _, state, _ in found]), found[0][2]
+
+
+def _deep_union(trees: list[dict]) -> dict:
+    """One nested state from several: mappings merge key by key; any other value is the first tree's."""
+    out = dict(trees[0])
+    for tree in trees[1:]:
+        for key, value in tree.items():
+            if key not in out:
+                out[key] = value
+            elif isinstance(out[key], dict) and isinstance(value, dict):
+                out[key] = _deep_union([out[key], value])
+    return out
