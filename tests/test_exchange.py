@@ -88,6 +88,24 @@ def test_backpressure_bounds_bytes_in_flight(tmp_path):
     assert Counter(trainer["digests"]) == Counter(d for g in gens for d in g["digests"])
 
 
+def test_idle_gaps_and_short_polls_lose_and_duplicate_nothing(tmp_path):
+    # Producers pause longer than the forwarder's sleep on the ring, and two trainer ranks share their node's
+    # ring polling with short get_available timeouts (as data-parallel ranks do), so every way the exchange
+    # threads wait is taken: a sleep ended by a push, a back-off ended by a waiting get(), a timeout.
+    spec = {"batches": 8, "max_records": 4, "max_response": 16, "get_n": 3, "gen_delay": {"0": 0.08},
+            "get_available": True, "get_timeout": 0.002, "flush_after": 4}
+    _, _, out = _run(tmp_path, ["generator.tasks_per_node=2", "trainer.tasks_per_node=2"], spec)
+    gens = [o for o in out if o["role"] == "generator"]
+    trainers = [o for o in out if o["role"] == "trainer"]
+    assert len(trainers) == 2 and not any("error" in o for o in out)
+    sent = Counter(d for g in gens for d in g["digests"])
+    assert Counter(d for t in trainers for d in t["digests"]) == sent  # exactly once over the two ranks
+    assert 0 in trainers[0]["get_sizes"] + trainers[1]["get_sizes"]  # some polls timed out empty
+    assert all(t["ended"] is True and t["rest"] == 0 for t in trainers)
+    leader = next(g for g in gens if "forwarder" in g["after_flush"])
+    assert leader["after_flush"]["forwarder"]["acked_bytes"] >= sum(g["after_flush"]["put_bytes"] for g in gens) > 0
+
+
 @pytest.mark.parametrize("bad,message", [("version", "layout version 99"), ("truncated", "truncated trajectory batch")])
 def test_damaged_batch_stops_every_rank_with_a_layout_error(tmp_path, bad, message):
     spec = {"batches": 10, "max_records": 4, "max_response": 16, "get_n": 3, "bad": bad}

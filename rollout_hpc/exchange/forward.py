@@ -60,8 +60,8 @@ TAG_DATA, TAG_ACK, TAG_END, TAG_ABORT = 31, 32, 33, 34
 _POISON = b"RHERR"  # a ring record that carries a fatal error to every trainer rank of the node
 _FLUSH = b"RHFLUSH"  # a ring record that asks the forwarder to report when all before it is delivered
 _DONE = b"RHDONE"  # a ring record: one rank of the node will put nothing more
-# How the threads wait (docs/exchange.md, "Waiting"). A ring wait is a futex sleep that ends the moment a
-# record is pushed; MPI offers no such wait (a blocking Probe spins a core), so MPI is polled with a back-off.
+# How the threads wait (docs/exchange.md, "Threads, not progress-on-call"): a ring wait is a futex sleep that
+# ends the moment a record is pushed; MPI has no such wait (a blocking Probe spins a core), so it is polled.
 _RING_WAIT = 0.05  # forwarder with nothing in MPI to watch: sleep on the ring this long between ABORT checks
 _MPI_POLL = (50e-6, 1e-3)  # forwarder watching sends/ACKs: first and longest wait between MPI polls
 _RECV_POLL_HUNGRY = (50e-6, 100e-6)  # receiver while a trainer rank of this process waits in get()

@@ -9,6 +9,7 @@ argv: RUN_DIR SPEC_JSON where SPEC has
   train_delay  seconds a trainer sleeps after each get (a slow trainer)
   get_n        records per get() (at most, with get_available)
   get_available  trainers call get_available(get_n) instead of get(get_n)
+  get_timeout  seconds a trainer's get_available waits before it returns empty (default 60)
   flush_after  a generator flushes after this many batches (-1: never), recording the counters then
   kill_after   the last generator rank kills itself with SIGKILL before this batch (-1: never)
   bad          None | "version" | "truncated": the last generator rank pushes one damaged record into its ring;
@@ -105,7 +106,7 @@ try:
     else:
         while True:
             if spec.get("get_available"):  # as data-parallel ranks sharing a node ring do
-                batch = ex.get_available(spec["get_n"], timeout=60)
+                batch = ex.get_available(spec["get_n"], timeout=spec.get("get_timeout", 60))
                 done = ex.ended
             else:
                 batch = ex.get(spec["get_n"], timeout=60)
