@@ -94,6 +94,11 @@ def run_ours(steps: int, staleness: int, threshold: float) -> dict:
         # Sequential on-policy pipeline: a step is generation (sampling + rewards) then the trainer's
         # forward/backward/optimizer step; the rest of the loop period is the framework's.
         extra["overhead_share"] = float(1 - (gen.sum() + train.sum()) / period.sum())
+        # Where it goes on the critical path (the trainer's logging overlaps the next generation):
+        # last reward -> batch on the trainer (exchange + pooling), trainer work around the model step
+        # (sorting, collating, advantages), weight publish (sync_ms); the rest is weights -> generation start.
+        extra["handoff_ms"] = 1000 * col("handoff_time")[1:].mean()
+        extra["prep_ms"] = 1000 * (col("train_time")[1:] - train).mean()
     a = cfg.algorithm
     return summarize("ours", col("time"), col("reward_mean"), a.prompts_per_step * a.group_size, col("tokens").mean(), t0, wall,
                      threshold, extra)
@@ -261,7 +266,8 @@ def main() -> int:
             print(f"{name:8s} {r['samples_per_s']:8.0f} samples/s {r['tokens_per_s']:9.0f} tok/s  step {r['step_ms']:6.1f} ms  "
                   f"wall {r['wall_s']:5.1f} s  to reward>={threshold}: {'-' if ttt is None else f'{ttt:.1f} s'}  "
                   f"reward {r['reward_first10']:.2f} -> {r['reward_last10']:.2f}"
-                  + (f"  overhead {100 * r['overhead_share']:.1f}%" if "overhead_share" in r else ""), flush=True)
+                  + (f"  overhead {100 * r['overhead_share']:.1f}% (handoff {r['handoff_ms']:.1f} + prep {r['prep_ms']:.1f}"
+                     f" + sync {r['sync_ms']:.1f} ms)" if "overhead_share" in r else ""), flush=True)
     for ours in ("ours_s0", "ours_s1"):
         for base in ("trl", "plain"):
             if "samples_per_s" in results.get(ours, {}) and "samples_per_s" in results.get(base, {}):
