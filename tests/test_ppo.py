@@ -4,7 +4,6 @@ backend and on DeepSpeed ZeRO (a second engine for the critic, one checkpoint sh
 
 from __future__ import annotations
 
-import io
 import shutil
 import signal
 import subprocess
@@ -74,10 +73,15 @@ def _shards(info, n):
 
 
 def _optimizer_lr(state) -> float:
-    """The learning rate in a DeepSpeed shard's optimizer blob (ZeRO keeps the wrapped optimizer's state inside)."""
-    sd = torch.load(io.BytesIO(np.asarray(state["optimizer_blob"]).tobytes()), weights_only=False)
-    groups = sd.get("optimizer_state_dict", sd).get("param_groups") or sd["base_optimizer_state"]["param_groups"]
-    return groups[0]["lr"]
+    """The learning rate a DeepSpeed shard's engine ran with."""
+    return float(state["optimizer"]["lr"])
+
+
+def _same_optimizer_share(got, ref) -> bool:
+    """Two DeepSpeed shards hold bitwise-equal optimizer entries (fp32 master values, AdamW moments, step)."""
+    a, b = got["optimizer"], ref["optimizer"]
+    return (torch.equal(a["step"], b["step"]) and sorted(a["params"]) == sorted(b["params"])
+            and all(torch.equal(a["params"][n][k], v) for n, e in b["params"].items() for k, v in e.items()))
 
 
 def test_ppo_on_deepspeed_zero3_trains_the_critic_and_resumes_it_exactly(tmp_path):
@@ -98,7 +102,7 @@ def test_ppo_on_deepspeed_zero3_trains_the_critic_and_resumes_it_exactly(tmp_pat
             assert int(part["n_ranks"]) == 2 and int(part["zero_stage"]) == 3 and int(part["steps_done"]) == 4
         assert ("weights" in shard["critic"]) == (rank == 0)  # full weights once, in shard 0
         assert _optimizer_lr(shard) == 0.01 and _optimizer_lr(shard["critic"]) == 0.005  # critic_lr reached its engine
-    assert not np.array_equal(end[0]["critic"]["optimizer_blob"], end[1]["critic"]["optimizer_blob"])  # partitions
+    assert set(end[0]["critic"]["optimizer"]["params"]).isdisjoint(end[1]["critic"]["optimizer"]["params"])  # spread
 
     # The critic trained: its zero-initialised head moved, its weights changed between checkpoints, its values too.
     critic_mid, critic_end = mid[0]["critic"]["weights"], end[0]["critic"]["weights"]
@@ -119,9 +123,8 @@ def test_ppo_on_deepspeed_zero3_trains_the_critic_and_resumes_it_exactly(tmp_pat
     assert weights_digest(resumed[0]) == weights_digest(end[0])  # policy
     for name, w in critic_end.items():
         assert np.array_equal(resumed[0]["critic"]["weights"][name], w), name
-    for got, ref in zip(resumed, end):  # every rank's optimizer partitions, policy's and critic's
-        assert np.array_equal(got["optimizer_blob"], ref["optimizer_blob"])
-        assert np.array_equal(got["critic"]["optimizer_blob"], ref["critic"]["optimizer_blob"])
+    for got, ref in zip(resumed, end):  # every rank's optimizer share, policy's and critic's
+        assert _same_optimizer_share(got, ref) and _same_optimizer_share(got["critic"], ref["critic"])
     got_m = read_metrics(cut / "trajectories.h5")
     assert [m["critic_loss"] for m in got_m] == [m["critic_loss"] for m in metrics]
 

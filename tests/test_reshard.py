@@ -2,7 +2,8 @@
 mpirun ranks, the whole RL loop, HDF5 checkpoints). A checkpoint written by ZeRO-2 over 2 ranks is
 resumed over 1 and 3 ranks and under ZeRO-1/ZeRO-3: right after the load, the trainer's optimizer
 state (fp32 master values, AdamW moments and step) and weights are exactly the saved ones, and the run
-goes on to its last step with every sample trained once."""
+goes on to its last step with every sample trained once. The run is PPO, so the critic (a second
+DeepSpeed engine, nested under "critic" in every shard) is resharded by the same rule."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from test_loop import TINY, columns, run_loop
 from rollout_hpc.store.checkpoint import list_checkpoints, load_checkpoint
 
 STEPS, P, G = 3, 8, 4
-RUN = ["trainer.backend=deepspeed", f"algorithm.steps={STEPS}", "checkpoint.every_steps=2", "algorithm.lr=0.01", "run.seed=0"]
+RUN = ["algorithm.name=ppo", "trainer.backend=deepspeed", f"algorithm.steps={STEPS}", "checkpoint.every_steps=2", "algorithm.lr=0.01", "run.seed=0"]
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +31,11 @@ def zero2_over_2(tmp_path_factory):
     return run_dir
 
 
-def consolidated(info) -> dict:
-    """A sharded DeepSpeed checkpoint as one layout-free state: weights, per-parameter optimizer entries, step."""
+def consolidated(info, part=None) -> dict:
+    """A sharded DeepSpeed checkpoint as one layout-free state: weights, per-parameter optimizer entries, step
+    (of the policy, or of the engine under `part`: "critic")."""
     shards = [load_checkpoint(info, s)[1] for s in range(len(list(info.path.glob("shard-*.h5"))))]
+    shards = [s[part] for s in shards] if part else shards
     params = {}
     for shard in shards:
         assert not set(params) & set(shard["optimizer"]["params"]), "a parameter in two shards"
@@ -76,9 +79,10 @@ def test_resume_a_zero2_checkpoint_on_another_layout(tmp_path, zero2_over_2, sta
     assert f"resharded the DeepSpeed state: ZeRO-2 over 2 rank(s) -> ZeRO-{stage} over {ranks} rank(s)" in res.stderr
 
     # Right after the load the trainer held exactly the saved state (saved again in the new layout).
-    loaded = consolidated(list_checkpoints(record)[-1])
-    assert loaded["n_shards"] == ranks
-    assert_same(loaded, consolidated(saved[0]))
+    for part in (None, "critic"):
+        loaded = consolidated(list_checkpoints(record)[-1], part)
+        assert loaded["n_shards"] == ranks
+        assert_same(loaded, consolidated(saved[0], part))
 
     # ... and the run went on to its last step, every sample of the stream trained exactly once.
     assert [i.step for i in list_checkpoints(run_dir)] == [2, 3]

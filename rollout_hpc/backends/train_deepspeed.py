@@ -199,18 +199,18 @@ class DeepSpeedTrainer(Trainer):
 
     def _set_full(self, param, key: str, value: torch.Tensor) -> None:
         """Set this rank's part of `param`'s fp32 master value or AdamW moment from the whole `value`."""
-        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+        from deepspeed import utils as ds
 
         if hasattr(param, "ds_id"):
-            # ZeRO-3 slices rank r's partition at r * partition size: the last one runs into the alignment padding.
-            padded = torch.zeros(param.partition_numel() * self.world.group_size, dtype=value.dtype)
-            padded[: value.numel()] = value.reshape(-1)
-            value = padded
-        if hasattr(param, "ds_id") or hasattr(param, "_hp_mapping"):
-            if key == "fp32":
-                safe_set_full_fp32_param(param, value)
-            else:
-                safe_set_full_optimizer_state(param, value, key)
+            # ZeRO-3: rank r owns elements [r*k, (r+1)*k), zero-padded at the end. Its safe_set_full_* slices the
+            # unpadded value and fails on the last rank when the parameter does not divide evenly: set the slice.
+            k, me = param.partition_numel(), self.world.group_rank
+            part = torch.zeros(k, dtype=torch.float32)
+            mine = value.reshape(-1)[me * k:(me + 1) * k]
+            part[: mine.numel()] = mine
+            ds.safe_set_local_fp32_param(param, part) if key == "fp32" else ds.safe_set_local_optimizer_state(param, part, key)
+        elif hasattr(param, "_hp_mapping"):  # ZeRO-1/2 (or bf16's fp32 copy): each rank copies its fragment
+            ds.safe_set_full_fp32_param(param, value) if key == "fp32" else ds.safe_set_full_optimizer_state(param, value, key)
         else:
             target = param.data if key == "fp32" else self._base_optimizer().state[param][key]
             target.copy_(value.view_as(target))
@@ -224,7 +224,8 @@ class DeepSpeedTrainer(Trainer):
             whole = {key: self._full(param, key) for key in keys}  # every rank joins the gathers ...
             if i % n == me:  # ... and keeps every n-th parameter
                 params[name] = {key: t.detach().float().cpu().reshape(_shape(param)).clone() for key, t in whole.items()}
-        share: dict[str, Any] = {"params": params}
+        # lr: what this engine ran with, for the record (a resume takes algorithm.lr / critic_lr from its config)
+        share: dict[str, Any] = {"params": params, "lr": float(self._base_optimizer().param_groups[0]["lr"])}
         if step is not None:
             share["step"] = step
         return share
