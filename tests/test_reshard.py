@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 
+import h5py
 import numpy as np
 import pytest
 import torch
@@ -34,7 +35,8 @@ def zero2_over_2(tmp_path_factory):
 def consolidated(info, part=None) -> dict:
     """A sharded DeepSpeed checkpoint as one layout-free state: weights, per-parameter optimizer entries, step
     (of the policy, or of the engine under `part`: "critic")."""
-    shards = [load_checkpoint(info, s)[1] for s in range(len(list(info.path.glob("shard-*.h5"))))]
+    n = load_checkpoint(info, 0)[2]["n_shards"]
+    shards = [load_checkpoint(info, s)[1] for s in range(n)]
     shards = [s[part] for s in shards] if part else shards
     params = {}
     for shard in shards:
@@ -65,17 +67,38 @@ def assert_each_sample_once(run_dir) -> None:
     assert sorted(rows) == [(p // P, p, k) for p in range(STEPS * P) for k in range(G)]
 
 
-@pytest.mark.parametrize("stage, ranks", [(2, 1), (1, 3), (3, 2)], ids=["zero2-1rank", "zero1-3ranks", "zero3-2ranks"])
+def flip_a_byte(shard_file) -> None:
+    with h5py.File(shard_file, "r") as f:
+        offset = f["state/tree/optimizer/params"].visititems(
+            lambda _, obj: obj.id.get_offset() if isinstance(obj, h5py.Dataset) and obj.size > 8 else None)
+    with open(shard_file, "r+b") as f:
+        f.seek(offset + 5)
+        byte = f.read(1)[0]
+        f.seek(offset + 5)
+        f.write(bytes([byte ^ 0x10]))
+
+
+# ZeRO-1 over 3 ranks also meets a damaged newest checkpoint: its shard 1 (read by rank 1 only) fails
+# verification, so every rank falls back to step 2 together.
+@pytest.mark.parametrize("stage, ranks", [(2, 1), (1, 3), (3, 2)], ids=["zero2-1rank", "zero1-3ranks-damaged", "zero3-2ranks"])
 def test_resume_a_zero2_checkpoint_on_another_layout(tmp_path, zero2_over_2, stage, ranks):
     run_dir = tmp_path / "run"
     shutil.copytree(zero2_over_2, run_dir)
     saved = list_checkpoints(run_dir)
-    shutil.rmtree(saved[-1].path)  # as if the first allocation ended after step 2's checkpoint
+    damaged = stage == 1
+    if damaged:
+        flip_a_byte(saved[-1].path / "shard-00001-of-00002.h5")
+    else:
+        shutil.rmtree(saved[-1].path)  # as if the first allocation ended after step 2's checkpoint
     cfg = write_config(run_dir, [*TINY, *RUN, f"trainer.zero_stage={stage}", f"trainer.tasks_per_node={ranks}"])
     record = tmp_path / "after-load"
     res = mpirun(node_blocks(cfg, [str(PROGS / "resume_and_record.py"), str(run_dir), str(record)]), timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     assert "after step 2" in res.stderr
+    warnings = [line for line in res.stderr.splitlines() if "skipping damaged checkpoint" in line]
+    assert len(warnings) == damaged
+    if damaged:
+        assert "shard-00001-of-00002.h5: content checksum mismatch" in warnings[0] and "step-00000002" in warnings[0]
     assert f"resharded the DeepSpeed state: ZeRO-2 over 2 rank(s) -> ZeRO-{stage} over {ranks} rank(s)" in res.stderr
 
     # Right after the load the trainer held exactly the saved state (saved again in the new layout).

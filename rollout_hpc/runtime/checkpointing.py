@@ -112,25 +112,43 @@ class Checkpointer:
         return step
 
     def _load_shards(self):
-        """(path, state, meta) of this rank's part of the newest sharded checkpoint, or None. Collective.
+        """(path, state, meta) of this rank's part of the newest sharded checkpoint that verifies, or None. Collective.
 
-        Group rank 0 picks the checkpoint (the newest valid one). Rank r of M reads shard r, and after a
-        change of trainer count (N shards) also shards r+M, r+2M, ... (or shard r mod N when r >= N); it
-        gets their deep union (runtime checkpointing's one rule; the backend's shards are made for it:
-        per-parameter entries by name, common entries equal in every shard)."""
+        Rank r of M reads shard r, and after a change of trainer count (N shards) also shards r+M, r+2M, ...
+        (or shard r mod N when r >= N); it gets their deep union. The backend's shards are made for that
+        (per-parameter entries by name, common entries equal in every shard: backends/train_deepspeed.py).
+        A checkpoint any rank finds damaged is skipped by all, with one warning line, as load_latest_valid does."""
         store, g, r, m = self.store, self.world.group_comm, self.world.group_rank, self.world.group_size
-        first = store.load_latest_valid(self.run_dir, shard=0) if r == 0 else None
-        if first is not None and "n_shards" not in first[2]:
-            raise store.CheckpointError(f"{first[0]} was written by the replicated '{first[2].get('backend')}' trainer, "
-                                        f"not one checkpoint shard per rank: resume with trainer.backend={first[2].get('backend')}")
-        chosen = g.bcast(None if first is None else (str(first[0].parent), int(first[2]["n_shards"]), int(first[2]["step"])), root=0)
-        if chosen is None:
-            return None
-        directory, n, step = Path(chosen[0]), chosen[1], chosen[2]
-        info = store.CheckpointInfo(step, directory, True)
-        wanted = [r % n, *(s for s in range(r, n, m) if s != r % n)]
-        found = [first if (s == 0 and first is not None) else store.load_checkpoint(info, shard=s) for s in wanted]
-        return found[0][0], _deep_union([state for _, state, _ in found]), found[0][2]
+        damaged: list[str] = []
+        for info in reversed(g.bcast(store.list_checkpoints(self.run_dir) if r == 0 else None, root=0)):
+            found, error = [], None
+            try:
+                if r == 0:  # shard 0 first: it checks the manifest and says how many shards there are
+                    found.append(store.load_checkpoint(info, shard=0))
+                    if "n_shards" not in found[0][2]:
+                        raise store.CheckpointError(
+                            f"{info.path} was written by the replicated '{found[0][2].get('backend')}' trainer, not one "
+                            f"shard per rank: resume with trainer.backend={found[0][2].get('backend')}")
+            except store.CheckpointCorrupt as exc:
+                error = str(exc)
+            n = g.bcast(None if error else int(found[0][2]["n_shards"]) if r == 0 else None, root=0)
+            if n is not None:
+                wanted = [r % n, *(s for s in range(r, n, m) if s != r % n)]
+                try:
+                    found += [store.load_checkpoint(info, shard=s) for s in wanted if not (r == 0 and s == 0)]
+                except store.CheckpointCorrupt as exc:
+                    error = str(exc)
+            errors = [e for e in g.allgather(error) if e]
+            if not errors:
+                if r == 0:
+                    for reason in damaged:
+                        store.log.warning("skipping damaged checkpoint %s; resuming from %s instead", reason, info.path.name)
+                return found[0][0], _deep_union([state for _, state, _ in found]), found[0][2]
+            damaged.append(errors[0])
+        if damaged:
+            raise store.CheckpointCorrupt(f"every checkpoint in {store.checkpoint_dir(self.run_dir)} is damaged "
+                                          f"({'; '.join(damaged)}); start the run afresh or restore a copy")
+        return None
 
 
 def _deep_union(trees: list[dict]) -> dict:
