@@ -240,12 +240,12 @@ def run_trl(steps: int, threshold: float) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="100 steps (< 1 minute)")
+    ap.add_argument("--quick", action="store_true", help="60 steps (< 1 minute)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--threshold", type=float, default=None, help="rolling mean reward to time (default 0.3, quick 0.1)")
     ap.add_argument("--skip", default="", help="comma list of runs to skip: ours_s1, trl, plain")
     args = ap.parse_args()
-    steps = args.steps or (100 if args.quick else 250)
+    steps = args.steps or (60 if args.quick else 250)
     threshold = args.threshold if args.threshold is not None else (0.1 if args.quick else 0.3)
     skip = set(filter(None, args.skip.split(",")))
     results: dict = {"steps": steps, "threshold": threshold}

@@ -9,7 +9,9 @@ sender, PROC_NULL on the other trainers) in chunks of at most
 receive buffer per version, never pickled.
 
 On each generator a receiver thread waits for headers (a probe with a short
-sleep, so an idle generator does not spin a core), takes part in the broadcast
+sleep, so an idle generator does not spin a core; 50 us while the generator is
+blocked in `receive()`, because then the trainer's broadcast waits on that
+sleep), takes part in the broadcast
 and keeps the newest version (receive buffers are reused once nothing handed
 out views them any more). So the trainer's publish never waits for a
 generator to finish its current batch, and generators pick weights up between
@@ -62,6 +64,8 @@ def _chunks(nbytes: int, chunk: int):
 class WeightSync:
     """Collective constructor over the whole world (it duplicates the intercommunicator)."""
 
+    WAITING_POLL_S = 50e-6  # header probe interval while a generator is blocked in receive()
+
     def __init__(self, world, cfg, poll_interval: float = 0.002):
         from mpi4py import MPI
 
@@ -74,6 +78,7 @@ class WeightSync:
         self._cond = threading.Condition()
         self._latest: tuple[int, dict] | None = None
         self._taken = -1  # newest version handed out by poll()/receive()
+        self._waiting = 0  # generator threads blocked in receive()
         self._closed = False
         self._error: BaseException | None = None
         self._stop_thread = False
@@ -139,7 +144,7 @@ class WeightSync:
         try:
             while not self._stop_thread:
                 if not self.comm.Iprobe(source=0, tag=_TAG_HEADER, status=status):
-                    time.sleep(self._poll_interval)
+                    time.sleep(self.WAITING_POLL_S if self._waiting else self._poll_interval)
                     continue
                 blob = bytearray(status.Get_count(MPI.BYTE))
                 self.comm.Recv([blob, MPI.BYTE], source=0, tag=_TAG_HEADER)
@@ -203,14 +208,18 @@ class WeightSync:
             raise RuntimeError("receive() is for generator ranks; trainers call publish()")
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while True:
-                got = self._take(min_version)
-                if got is not None:
-                    return got
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(f"no weights of version >= {min_version} within {timeout}s")
-                self._cond.wait(left)
+            self._waiting += 1
+            try:
+                while True:
+                    got = self._take(min_version)
+                    if got is not None:
+                        return got
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise TimeoutError(f"no weights of version >= {min_version} within {timeout}s")
+                    self._cond.wait(left)
+            finally:
+                self._waiting -= 1
 
 
 def check_staleness(batch: TrajectoryBatch, current_version: int, max_staleness: int) -> tuple[TrajectoryBatch, int]:

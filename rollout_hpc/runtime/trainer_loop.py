@@ -39,7 +39,9 @@ class StepReceiver:
     are replayed here from the rewards, exactly as the generators decided them.
     """
 
-    def __init__(self, exchange, world, cfg, poll_s: float = 0.02):
+    # With several trainer ranks each takes what has arrived, waiting at most poll_s, then the group allgathers: a
+    # rank's wait ends as soon as records arrive, so poll_s only bounds how long an empty-handed rank holds the others.
+    def __init__(self, exchange, world, cfg, poll_s: float = 0.002):
         self.exchange, self.world, self.cfg = exchange, world, cfg
         self.G = cfg.algorithm.group_size
         self.poll_s = poll_s
@@ -122,7 +124,7 @@ def run_trainer(world, cfg, run_dir: Path, model: torch.nn.Module, exchange, wei
             values = critic.values(tensors["input_ids"], tensors["attention_mask"]) if critic else None
             adv_stats = batching.add_advantages(cfg, tensors, ref_lp, values)
             groups = batching.trainable_groups(tensors["mask"], a.group_size)
-            stats = {"generation_rounds": float(plan.rounds)}
+            stats = {"generation_rounds": float(plan.rounds)} if plan.max_rounds > 1 else {}
             if len(groups):  # none: every group of every round had equal rewards; the policy stays as it is
                 mine = batching.select_rows(tensors, batching.shard_groups(groups, a.group_size, world.group_rank, world.group_size))
                 stats.update(trainer.train_step(mine, loss_fn))
