@@ -154,20 +154,11 @@ def trajectory_batch(
     turn_starts: Sequence[Sequence[int]] | None = None,
 ) -> TrajectoryBatch:
     """Pack generation results into the record every generator produces (one row per trajectory)."""
-    records = []
-    for i in range(len(response_ids)):
-        rec = dict(
-            prompt_id=int(prompt_index[i]), sample_idx=int(sample_idx[i]), gen_rank=gen_rank,
-            policy_version=policy_version, reward=float(rewards[i]), truncated=int(bool(truncated[i])),
-            t_start=t_start, t_end=t_end,
-            prompt_ids=prompt_tokens[i], response_ids=response_ids[i], logprobs=logprobs[i],
-        )
-        if loss_masks is not None:
-            rec["loss_mask"] = loss_masks[i]
-        if turn_starts is not None:
-            rec["turn_starts"] = turn_starts[i]
-        records.append(rec)
-    return TrajectoryBatch.from_records(records)
+    fixed = dict(prompt_id=prompt_index, sample_idx=sample_idx, gen_rank=gen_rank, policy_version=policy_version,
+                 reward=rewards, truncated=[bool(t) for t in truncated], t_start=t_start, t_end=t_end)
+    ragged = dict(prompt_ids=prompt_tokens, response_ids=response_ids, logprobs=logprobs, loss_mask=loss_masks,
+                  turn_starts=turn_starts)
+    return TrajectoryBatch.from_columns(len(response_ids), fixed, ragged)
 
 
 # --- multi-turn episodes ---------------------------------------------------------

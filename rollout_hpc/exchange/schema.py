@@ -19,6 +19,7 @@ Buffer layout (little endian, every section 8-byte aligned):
 
 from __future__ import annotations
 
+import itertools
 import struct
 from dataclasses import dataclass
 
@@ -52,6 +53,7 @@ RAGGED = (
     ("turn_starts", np.int32, "n_turns"),
 )
 
+_LENGTH_FIELDS = {length_field for _, _, length_field in RAGGED}
 _HEADER = struct.Struct("<4sII6Q4x")
 
 
@@ -89,23 +91,40 @@ class TrajectoryBatch:
     def from_records(cls, records: list[dict]) -> "TrajectoryBatch":
         """Build from dicts with fixed fields plus ragged lists (missing ragged = empty,
         missing loss_mask = all ones, missing turn_starts = one turn at 0)."""
-        fixed = np.zeros(len(records), FIXED_DTYPE)
-        flat: dict[str, list[np.ndarray]] = {name: [] for name, _, _ in RAGGED}
-        for i, r in enumerate(records):
-            prompt = np.asarray(r.get("prompt_ids", ()), np.int32)
-            resp = np.asarray(r.get("response_ids", ()), np.int32)
-            lp = np.asarray(r.get("logprobs", np.zeros(len(resp))), np.float32)
-            mask = np.asarray(r.get("loss_mask", np.ones(len(resp))), np.uint8)
-            turns = np.asarray(r.get("turn_starts", (0,)), np.int32)
-            if not (len(lp) == len(mask) == len(resp)):
+        given = {name for r in records for name in r}
+        fixed = {name: [r.get(name, 0) for r in records] for name in FIXED_DTYPE.names if name in given}
+        return cls.from_columns(len(records), fixed, {name: [r.get(name) for r in records] for name, _, _ in RAGGED})
+
+    @classmethod
+    def from_columns(cls, n: int, fixed: dict, ragged: dict) -> "TrajectoryBatch":
+        """Build n rows from columns: `fixed` maps fixed field names to one value or n values; `ragged`
+        maps ragged names to n sequences (a missing column or a None row gets from_records' default).
+        The lengths come from the ragged sequences."""
+        out = np.zeros(n, FIXED_DTYPE)
+        for name, values in fixed.items():
+            if not name.startswith("_") and name not in _LENGTH_FIELDS:
+                out[name] = values
+
+        def column(name, default):
+            seqs = ragged.get(name)
+            return [default(i) if seqs is None or seqs[i] is None else seqs[i] for i in range(n)]
+
+        prompt = column("prompt_ids", lambda i: ())
+        resp = column("response_ids", lambda i: ())
+        out["response_len"] = [len(x) for x in resp]
+        lp = column("logprobs", lambda i: np.zeros(out["response_len"][i]))
+        mask = column("loss_mask", lambda i: np.ones(out["response_len"][i]))
+        turns = column("turn_starts", lambda i: (0,))
+        for i in range(n):
+            if not len(lp[i]) == len(mask[i]) == out["response_len"][i]:
                 raise ValueError(f"record {i}: logprobs, loss_mask and response_ids must have equal length")
-            for name in FIXED_DTYPE.names:
-                if name in r and not name.startswith("_"):
-                    fixed[i][name] = r[name]
-            fixed[i]["prompt_len"], fixed[i]["response_len"], fixed[i]["n_turns"] = len(prompt), len(resp), len(turns)
-            for name, arr in zip(("prompt_ids", "response_ids", "logprobs", "loss_mask", "turn_starts"), (prompt, resp, lp, mask, turns)):
-                flat[name].append(arr)
-        return cls(fixed, *(np.concatenate(flat[n]) if flat[n] else np.zeros(0, dt) for n, dt, _ in RAGGED))
+        out["prompt_len"] = [len(x) for x in prompt]
+        out["n_turns"] = [len(x) for x in turns]
+        flat = [
+            np.fromiter(itertools.chain.from_iterable(seqs), dt, count=sum(len(x) for x in seqs))
+            for (_, dt, _), seqs in zip(RAGGED, (prompt, resp, lp, mask, turns))
+        ]
+        return cls(out, *flat)
 
     @classmethod
     def concat(cls, batches: list["TrajectoryBatch"]) -> "TrajectoryBatch":

@@ -105,8 +105,11 @@ def generate_unscored(gen, dataset, prompt_indices, group_size: int, gen_rank: i
     from rollout_hpc.envs.base import dataset_item, prompt_text
 
     t_start = time.time()
-    rows = [(int(i), dataset_item(dataset, int(i)), s) for i in prompt_indices for s in range(group_size)]
-    prompts = [gen.tokenizer.encode_prompt(prompt_text(item)) for _, item, _ in rows]
+    # Each prompt is built and tokenized once; its group_size rows share the item and the token list.
+    per_prompt = {int(i): dataset_item(dataset, int(i)) for i in prompt_indices}
+    tokens = {i: gen.tokenizer.encode_prompt(prompt_text(item)) for i, item in per_prompt.items()}
+    rows = [(i, item, s) for i, item in per_prompt.items() for s in range(group_size)]
+    prompts = [tokens[i] for i, _, _ in rows]
     out = gen.generate(prompts, [derive_seed(gen.seed, i, s) for i, _, s in rows])
     batch = trajectory_batch(
         prompts, out.response_ids, out.logprobs, [0.0] * len(rows), truncated=out.truncated,
