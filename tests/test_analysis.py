@@ -144,6 +144,20 @@ def test_warnings_name_the_problem(tmp_path):
     assert any("staleness above the bound" in w and "max_staleness=0" in w for w in warnings)
 
 
+def test_one_token_answers_are_not_reported_as_truncated(tmp_path):
+    # max_new_tokens 1 (the quickstart): every response reaches the limit by design, which is not a problem to warn of.
+    rng = np.random.default_rng(0)
+    with TrajectoryLog.open_for_append(tmp_path, {"run_name": "one", "max_new_tokens": 1, "max_staleness": 0}) as log:
+        for step in range(4):
+            batch = synthetic_batch(rng, 32, step, max_new_tokens=1)
+            batch.fixed["truncated"] = True
+            log.append(batch, step)
+            log.append_metrics(step, {})
+    summary = summarize(tmp_path)
+    assert summary["response_length"]["truncated_fraction"] == 1.0
+    assert not any("hit max_new_tokens" in w for w in summary["warnings"])
+
+
 _WRITER = textwrap.dedent("""
     import sys, numpy as np
     from rollout_hpc.store.synthetic import synthetic_batch

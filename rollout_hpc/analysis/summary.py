@@ -255,7 +255,8 @@ def _warnings(summary: dict, per_step: dict, meta: dict) -> list[str]:
             out.append(f"reward collapsed: every sample of the last {tail} steps got the same reward ({value:g}); "
                        "group-relative advantages are zero, so the policy gets no learning signal")
     frac = summary["response_length"]["truncated_fraction"]
-    if frac > TRUNCATION_WARN:
+    # With max_new_tokens 1 (one-token answers, as in the quickstart) every response "hits" the limit by design.
+    if frac > TRUNCATION_WARN and summary["response_length"]["max_new_tokens"] != 1:
         out.append(f"{frac:.0%} of responses hit max_new_tokens ({summary['response_length']['max_new_tokens']}); "
                    "raise algorithm.max_new_tokens or add overlong shaping")
     bound = summary["staleness"]["bound"]
