@@ -81,11 +81,6 @@ def collate(batch: TrajectoryBatch, pad_id: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-def shaped_rewards(cfg, tensors: dict) -> torch.Tensor:
-    """Task rewards plus DAPO's overlong shaping where configured."""
-    return step_plan.shaped_rewards(cfg, tensors["rewards"], tensors["response_len"])
-
-
 def add_advantages(cfg, tensors: dict, ref_logprobs: torch.Tensor | None, values: torch.Tensor | None = None) -> dict[str, float]:
     """Put per-token advantages (and the reference log-probs) into `tensors`; returns batch stats.
     With a critic's `values` (PPO), also its targets: tensors['old_values'] and tensors['returns'].
@@ -94,7 +89,7 @@ def add_advantages(cfg, tensors: dict, ref_logprobs: torch.Tensor | None, values
     algorithms: they are the behaviour policy the tokens came from."""
     a = cfg.algorithm
     spec = algos.get_algorithm(a.name)
-    rewards = shaped_rewards(cfg, tensors)
+    rewards = step_plan.shaped_rewards(cfg, tensors["rewards"], tensors["response_len"])
     params = {}
     if spec.kl_in == "reward" and a.kl_coef > 0:
         params.update(logprobs=tensors["old_logprobs"], ref_logprobs=ref_logprobs, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator)

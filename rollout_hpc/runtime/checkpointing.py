@@ -141,13 +141,11 @@ class Checkpointer:
             errors = [e for e in g.allgather(error) if e]
             if not errors:
                 if r == 0:
-                    for reason in damaged:
-                        store.log.warning("skipping damaged checkpoint %s; resuming from %s instead", reason, info.path.name)
+                    store.warn_skipped(damaged, info.path)
                 return found[0][0], _deep_union([state for _, state, _ in found]), found[0][2]
             damaged.append(errors[0])
         if damaged:
-            raise store.CheckpointCorrupt(f"every checkpoint in {store.checkpoint_dir(self.run_dir)} is damaged "
-                                          f"({'; '.join(damaged)}); start the run afresh or restore a copy")
+            raise store.every_checkpoint_damaged(self.run_dir, damaged)
         return None
 
 

@@ -20,6 +20,7 @@ from rollout_hpc.backends.trainer import make_trainer
 from rollout_hpc.config import UserError
 from rollout_hpc.models import ValueModel
 
+
 class CriticError(UserError):
     """A setting the critic cannot run with (user-fixable)."""
 

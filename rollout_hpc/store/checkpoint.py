@@ -287,15 +287,24 @@ def load_latest_valid(run_dir: str | Path, shard: int | None = None) -> tuple[Pa
         except CheckpointCorrupt as exc:
             damaged.append(str(exc))
             continue
-        for reason in damaged:
-            log.warning("skipping damaged checkpoint %s; resuming from %s instead", reason, info.path.name)
+        warn_skipped(damaged, info.path)
         return result
     if damaged:
-        raise CheckpointCorrupt(
-            f"every checkpoint in {checkpoint_dir(run_dir)} is damaged ({'; '.join(damaged)}); "
-            "start the run afresh or restore a copy"
-        )
+        raise every_checkpoint_damaged(run_dir, damaged)
     return None
+
+
+def warn_skipped(damaged: list[str], used: Path) -> None:
+    """One warning line per damaged newer checkpoint that a resume passes over for `used`."""
+    for reason in damaged:
+        log.warning("skipping damaged checkpoint %s; resuming from %s instead", reason, used.name)
+
+
+def every_checkpoint_damaged(run_dir: str | Path, damaged: list[str]) -> CheckpointCorrupt:
+    return CheckpointCorrupt(
+        f"every checkpoint in {checkpoint_dir(run_dir)} is damaged ({'; '.join(damaged)}); "
+        "start the run afresh or restore a copy"
+    )
 
 
 # --- digests and compatibility -----------------------------------------------------
