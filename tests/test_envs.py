@@ -4,6 +4,7 @@ import pytest
 
 from rollout_hpc.config import ConfigError, TaskSection
 from rollout_hpc.envs import (
+    TaskError,
     ArithmeticTask,
     Level,
     Prompt,
@@ -120,5 +121,5 @@ def test_sokoban_generated_levels_are_solvable_and_deterministic():
     assert generate_level(11) == generate_level(11)
     with pytest.raises(ValueError, match="interior_walls"):
         generate_level(0, size=4, interior_walls=3)
-    with pytest.raises(ValueError, match="task.reward"):
+    with pytest.raises(TaskError, match="task.reward"):
         load_task(TaskSection(name="sokoban", reward="x.py:f"))

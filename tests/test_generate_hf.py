@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from rollout_hpc.envs.registry import TaskError
 from rollout_hpc.backends.generate_hf import (
     Generation,
     HFGenerator,
@@ -147,7 +148,7 @@ def test_multi_turn_episode_masks_environment_tokens():
     assert "invalid action" in TOK.decode(obs) and "#####" in TOK.decode(obs)
     assert np.all(np.array(ep.logprobs)[mask == 0] == 0) and np.all(np.array(ep.logprobs)[mask == 1] == -0.5)
     assert TOK.decode(ep.prompt_ids) == "#####\n#@  #\n# $ #\n#  .#\n#####\n"
-    with pytest.raises(ValueError, match="model.max_seq_len"):
+    with pytest.raises(TaskError, match="model.max_seq_len"):
         rollout_episodes([SokobanEnv()], [level], scripted, TOK, max_new_tokens=2, max_context=40)
 
 

@@ -70,7 +70,7 @@ def test_hf_directory_round_trip_and_errors(tmp_path):
     (tmp_path / "bad" / "config.json").write_text('{"model_type": "nonsense-model"}')
     with pytest.raises(ModelLoadError, match="could not load"):
         build_model(ModelSection(path=str(tmp_path / "bad")), vocab)
-    with pytest.raises(ValueError, match="tokenizer"):
+    with pytest.raises(ModelLoadError, match="tokenizer"):
         load_tokenizer(ModelSection(path=str(tmp_path / "m")))  # weights but no tokenizer files
 
 

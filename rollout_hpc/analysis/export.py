@@ -1,7 +1,8 @@
 """Export a trajectory log as Parquet or CSV tables (pyarrow), streamed in chunks.
 
 Two tables: one row per trajectory (fixed fields, step, staleness; ragged token
-arrays as list columns on request) and one row per train step (the metrics).
+arrays as list columns on request) and one row per train step (the metrics); a
+third, one row per eval, when the run validated during training.
 """
 
 from __future__ import annotations
@@ -70,17 +71,27 @@ def export_trajectories(reader: TrajectoryReader, path: Path, fmt: str, columns:
     return written
 
 
-def export_steps(reader: TrajectoryReader, path: Path, fmt: str) -> int:
-    table = pa.table({name: pa.array(values) for name, values in reader.metrics().items()})
+def export_columns(columns: dict, path: Path, fmt: str) -> int:
+    """Write {name: array} (the per-step metrics, the eval rows) as one table."""
+    table = pa.table({name: pa.array(values) for name, values in columns.items()})
     writer = _TableWriter(path, fmt, table.schema)
     writer.write(table)
     writer.close()
     return table.num_rows
 
 
+def export_steps(reader: TrajectoryReader, path: Path, fmt: str) -> int:
+    return export_columns(reader.metrics(), path, fmt)
+
+
+def export_eval(reader: TrajectoryReader, path: Path, fmt: str) -> int:
+    return export_columns(reader.eval_metrics(), path, fmt)
+
+
 def export_run(run_dir_or_log: str | Path, fmt: str = "parquet", out_dir: str | Path | None = None,
                columns: list[str] | None = None, chunk_rows: int = CHUNK_ROWS) -> dict[str, tuple[Path, int]]:
-    """Write trajectories.<fmt> and steps.<fmt> into out_dir (default RUN_DIR/export)."""
+    """Write trajectories.<fmt> and steps.<fmt> (and eval.<fmt> when the log has eval rows) into out_dir
+    (default RUN_DIR/export)."""
     if fmt not in FORMATS:
         raise UserError(f"unknown export format '{fmt}'; use one of {', '.join(FORMATS)}")
     _check_columns(columns, fmt)
@@ -90,4 +101,8 @@ def export_run(run_dir_or_log: str | Path, fmt: str = "parquet", out_dir: str | 
         traj_path, steps_path = out / f"trajectories.{fmt}", out / f"steps.{fmt}"
         rows = export_trajectories(reader, traj_path, fmt, columns, chunk_rows)
         steps = export_steps(reader, steps_path, fmt)
-    return {"trajectories": (traj_path, rows), "steps": (steps_path, steps)}
+        written = {"trajectories": (traj_path, rows), "steps": (steps_path, steps)}
+        if reader.eval_rows:
+            eval_path = out / f"eval.{fmt}"
+            written["eval"] = (eval_path, export_eval(reader, eval_path, fmt))
+    return written

@@ -136,6 +136,45 @@ def time_figure(a: RunAnalysis, fig, ax) -> None:
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
 
 
+def _has_eval(a: RunAnalysis) -> bool:
+    return bool(a.eval) and len(a.eval.get("step", ())) > 0
+
+
+def _k_label(evals: dict) -> str:
+    """pass@k with k filled in when the evals agree on it."""
+    k = evals.get("k")
+    if k is not None and len(k) and not np.isnan(k).any() and np.all(k == k[0]):
+        return f"@{int(k[0])}"
+    return "@k"
+
+
+def _plot_eval(ax, evals: dict, label_prefix: str = "", color=None) -> None:
+    """Accuracy (solid) and pass@k (dashed) against the policy version evaluated."""
+    step = evals["step"]
+    if _has(evals, "accuracy"):
+        ax.plot(step, evals["accuracy"], marker="o", markersize=3, color=color, label=f"{label_prefix}accuracy")
+    if _has(evals, "pass_at_k"):
+        ax.plot(step, evals["pass_at_k"], marker="s", markersize=3, linestyle="--", color=color,
+                label=f"{label_prefix}pass{_k_label(evals)}")
+
+
+@_figure("Validation during training (held-out split)", shows=_has_eval, missing="eval",
+         ylabel="accuracy / pass@k")
+def eval_figure(a: RunAnalysis, fig, ax) -> None:
+    e = a.eval
+    _plot_eval(ax, e)
+    if not _has(e, "accuracy") and not _has(e, "pass_at_k"):  # an eval that reports neither: its rewards
+        for key, label in (("mean_at_k", f"mean{_k_label(e)}"), ("mean_reward", "mean reward")):
+            if _has(e, key):
+                ax.plot(e["step"], e[key], marker="^", markersize=3, label=label)
+    best = a.summary.get("eval_accuracy")
+    if best:
+        ax.scatter([best["best_step"]], [best["best"]], s=60, facecolors="none", edgecolors="red", zorder=3,
+                   label=f"best {best['best']:.3g} (step {best['best_step']})")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="best")
+
+
 FIGURES: dict[str, Callable[[RunAnalysis], plt.Figure]] = {
     "reward": reward_figure,
     "response_length": length_figure,
@@ -143,6 +182,7 @@ FIGURES: dict[str, Callable[[RunAnalysis], plt.Figure]] = {
     "throughput": throughput_figure,
     "staleness": staleness_figure,
     "time_breakdown": time_figure,
+    "eval": eval_figure,
 }
 
 
@@ -169,8 +209,11 @@ def write_run_figures(a: RunAnalysis, out_dir: Path) -> list[Path]:
 
 
 def compare_figure(runs: dict[str, RunAnalysis]):
-    """Reward, response length, KL and throughput of several runs, overlaid (2 x 2 panels)."""
-    fig, axes = plt.subplots(2, 2, figsize=(FIGSIZE[0] * 1.5, FIGSIZE[1] * 1.6), dpi=DPI, sharex=True)
+    """Reward, response length, KL and throughput of several runs, overlaid (2 x 2 panels), plus a row with
+    eval accuracy and pass@k when any of the runs evaluated during training."""
+    evals = any(_has_eval(a) for a in runs.values())
+    n_rows = 3 if evals else 2
+    fig, axes = plt.subplots(n_rows, 2, figsize=(FIGSIZE[0] * 1.5, FIGSIZE[1] * 0.8 * n_rows), dpi=DPI, sharex=True)
     panels = [("reward_mean", "mean reward"), ("response_len_mean", "mean response length (tokens)"),
               ("kl", "KL to reference"), ("tokens_per_s", "tokens / s")]
     for ax, (key, label) in zip(axes.flat, panels):
@@ -179,7 +222,14 @@ def compare_figure(runs: dict[str, RunAnalysis]):
                 ax.plot(a.per_step["step"], a.per_step[key], label=name)
         ax.set_title(label)
         ax.grid(alpha=0.3)
-    for ax in axes[1]:
+    if evals:
+        for ax, (key, label) in zip(axes[2], (("accuracy", "eval accuracy"), ("pass_at_k", "eval pass@k"))):
+            for i, (name, a) in enumerate(runs.items()):
+                if _has_eval(a) and _has(a.eval, key):
+                    ax.plot(a.eval["step"], a.eval[key], marker="o", markersize=3, color=f"C{i}", label=name)
+            ax.set_title(label)
+            ax.grid(alpha=0.3)
+    for ax in axes[-1]:
         ax.set_xlabel("train step")
     axes[0][0].legend(loc="best")
     fig.suptitle("Runs compared")

@@ -1,4 +1,5 @@
-"""One self-contained HTML report of a run: summary, warnings, figures (embedded PNGs), sample trajectories."""
+"""One self-contained HTML report of a run: summary, warnings, figures (embedded PNGs, the eval curve among
+them), the eval table, sample trajectories."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 from pathlib import Path
 
 import jinja2
+import numpy as np
 
 from rollout_hpc.analysis.figures import FIGURES, png_bytes
 from rollout_hpc.analysis.samples import last_step, load_decoder, load_samples, render_sample, select_rows
@@ -28,7 +30,10 @@ _TEMPLATE = jinja2.Environment(autoescape=True).from_string("""<!DOCTYPE html>
 {% for w in warnings %}<div class="warn">{{ w }}</div>{% endfor %}
 <h2>Summary</h2>
 <table>{% for key, value in rows %}<tr><th>{{ key }}</th><td class="num">{{ value }}</td></tr>{% endfor %}</table>
-<h2>Figures</h2>
+{% if eval_rows %}<h2>Validation during training</h2>
+<table><tr>{% for name in eval_names %}<th>{{ name }}</th>{% endfor %}</tr>
+{% for row in eval_rows %}<tr>{% for v in row %}<td class="num">{{ v }}</td>{% endfor %}</tr>{% endfor %}</table>
+{% endif %}<h2>Figures</h2>
 {% for name, data in figures %}<figure><img alt="{{ name }}" src="data:image/png;base64,{{ data }}"></figure>{% endfor %}
 <h2>Sample trajectories (step {{ sample_step }})</h2>
 {% for heading, texts in samples %}<h3>{{ heading }}</h3>{% for t in texts %}<pre>{{ t }}</pre>{% endfor %}{% endfor %}
@@ -45,13 +50,21 @@ def _fmt(value) -> str:
 def _flatten(summary: dict, prefix: str = "") -> list[tuple[str, str]]:
     rows = []
     for key, value in summary.items():
-        if key in ("warnings", "log"):
+        if key in ("warnings", "log", "eval"):  # the eval table has its own section
             continue
         if isinstance(value, dict) and key != "histogram":
             rows += _flatten(value, f"{prefix}{key}.")
         else:
             rows.append((f"{prefix}{key}", _fmt(value)))
     return rows
+
+
+def _eval_table(evals: dict) -> tuple[list[str], list[list[str]]]:
+    """Column names (those with any value; time left out) and formatted rows of the eval table."""
+    names = [n for n, v in evals.items() if n != "time" and not np.isnan(v).all()]
+    rows = [[_fmt(int(evals[n][i]) if n == "step" else float(evals[n][i])) for n in names]
+            for i in range(len(evals.get("step", ())))]
+    return names, rows
 
 
 def write_report(run_dir_or_log: str | Path, out: str | Path | None = None, samples_per_kind: int = 3) -> Path:
@@ -71,5 +84,6 @@ def write_report(run_dir_or_log: str | Path, out: str | Path | None = None, samp
         title=html.unescape(str(analysis.summary.get("run_name") or path.parent.name)),
         log_line=analysis.summary["log"], warnings=analysis.warnings, rows=_flatten(analysis.summary),
         figures=figures, samples=sections, sample_step=step,
+        **dict(zip(("eval_names", "eval_rows"), _eval_table(analysis.eval))),
     ))
     return out

@@ -14,14 +14,16 @@ SCAN_ROWS = 1 << 16
 
 
 def load_decoder(run_dir: str | Path) -> Decode | None:
-    """The run's tokenizer decode, or None when the run does not say (then token ids are shown)."""
+    """The run's tokenizer decode, or None when the run does not say (then token ids are shown). Special tokens
+    are kept: the text shown is exactly what the model saw (chat template markers, BOS, the stop token)."""
     run_dir = Path(run_dir)
     if run_dir.suffix == ".h5":
         run_dir = run_dir.parent
     try:
         from rollout_hpc.models.tokenizer import load_tokenizer_for_run
 
-        return load_tokenizer_for_run(run_dir).decode
+        tokenizer = load_tokenizer_for_run(run_dir)
+        return lambda ids: tokenizer.decode(ids, skip_special=False)
     except Exception:  # no config in the run dir, a model dir that moved, or no models package: show ids
         return None
 
@@ -83,6 +85,8 @@ def _segments(mask: np.ndarray) -> list[tuple[int, int, bool]]:
 def render_sample(s: dict, decode: Decode | None) -> str:
     """A trajectory as text: header, prompt, then the response turn by turn (policy vs environment text)."""
     flags = " [hit max_new_tokens]" if s["truncated"] else ""
+    status = int(s.get("reward_status", 0))
+    flags += {1: " [reward raised: scored 0]", 2: " [reward timed out: scored 0]"}.get(status, "")
     lines = [
         f"row {s['row']}  step {s['step']}  prompt {s['prompt_id']} sample {s['sample_idx']}  reward {s['reward']:.4g}  "
         f"policy v{s['policy_version']} (staleness {s['staleness']})  {s['response_len']} response tokens{flags}",

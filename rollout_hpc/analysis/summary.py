@@ -2,7 +2,8 @@
 
 `analyze_run` streams the per-trajectory columns in chunks (a rich progress bar
 shows on long reads in a terminal) into per-step accumulators and histograms,
-joins the per-step metrics table, and returns a `RunAnalysis`: a JSON-able
+joins the per-step metrics table (and the eval table, when the run validated
+during training), and returns a `RunAnalysis`: a JSON-able
 summary plus per-step series for the figures.
 """
 
@@ -16,11 +17,12 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from rollout_hpc.exchange.schema import REWARD_OK, REWARD_TIMEOUT
 from rollout_hpc.store.trajlog import TrajectoryReader, read_meta
 
 CHUNK_ROWS = 1 << 16
 PROGRESS_MIN_ROWS = 1 << 20  # show a progress bar from this many trajectories on
-_COLUMNS = ["step", "reward", "prompt_len", "response_len", "truncated", "staleness", "t_start", "t_end"]
+_COLUMNS = ["step", "reward", "prompt_len", "response_len", "truncated", "staleness", "t_start", "t_end", "reward_status"]
 # Metric names some writers use for the standard columns of the metrics table.
 METRIC_ALIASES = {
     "gen_time": ("gen_time", "gen_span_s"),
@@ -41,6 +43,7 @@ class RunAnalysis:
     length_hist: np.ndarray  # count of responses per length
     staleness_hist: np.ndarray  # count of trajectories per staleness
     warnings: list[str] = field(default_factory=list)
+    eval: dict[str, np.ndarray] = field(default_factory=dict)  # eval table, one entry per eval ({} if none)
 
 
 class _StepAccumulator:
@@ -124,6 +127,8 @@ class _Totals:
     n: int = 0
     tokens: int = 0
     truncated: int = 0
+    reward_errors: int = 0  # reward_status != REWARD_OK: the reward is a stand-in 0
+    reward_timeouts: int = 0  # of those, the reward function ran past its timeout
     reward_sum: float = 0.0
     reward_sq: float = 0.0
     reward_min: float = math.inf
@@ -137,6 +142,9 @@ class _Totals:
         self.n += len(reward)
         self.tokens += int(resp.sum() + chunk["prompt_len"].astype(np.int64).sum())
         self.truncated += int(chunk["truncated"].sum())
+        status = chunk["reward_status"]
+        self.reward_errors += int(np.count_nonzero(status != REWARD_OK))
+        self.reward_timeouts += int(np.count_nonzero(status == REWARD_TIMEOUT))
         self.reward_sum += reward.sum()
         self.reward_sq += (reward * reward).sum()
         self.reward_min, self.reward_max = min(self.reward_min, reward.min()), max(self.reward_max, reward.max())
@@ -162,10 +170,34 @@ def analyze_run(run_dir_or_log: str | Path, chunk_rows: int = CHUNK_ROWS) -> Run
         log_state = {"log": reader.status_line(), "closed_cleanly": reader.closed_cleanly,
                      "uncommitted_rows_ignored": int(reader.cut_rows)}
         table = reader.metrics()
-    return _assemble(meta, acc, totals, table, log_state)
+        evals = reader.eval_metrics()
+    return _assemble(meta, acc, totals, table, log_state, evals)
 
 
-def _assemble(meta: dict, acc: _StepAccumulator, t: _Totals, table: dict[str, np.ndarray], log_state: dict) -> RunAnalysis:
+def _eval_lists(evals: dict[str, np.ndarray]) -> dict | None:
+    """The eval table as JSON-able lists (one entry per eval; step as int), None when the run has no evals."""
+    if not evals or not len(evals.get("step", ())):
+        return None
+    out = {name: [float(v) for v in values] for name, values in evals.items()}
+    out["step"] = [int(v) for v in evals["step"]]
+    return out
+
+
+def eval_accuracy(evals: dict[str, np.ndarray]) -> dict | None:
+    """first / last / best eval accuracy and the step of the best (the first eval reaching it)."""
+    acc = evals.get("accuracy")
+    if acc is None or np.isnan(acc).all():
+        return None
+    ok = ~np.isnan(acc)
+    steps, values = evals["step"][ok], acc[ok]
+    best = int(np.argmax(values))
+    return {"first": float(values[0]), "last": float(values[-1]), "best": float(values[best]),
+            "best_step": int(steps[best]), "first_step": int(steps[0]), "last_step": int(steps[-1]), "evals": int(len(values))}
+
+
+def _assemble(meta: dict, acc: _StepAccumulator, t: _Totals, table: dict[str, np.ndarray], log_state: dict,
+              evals: dict[str, np.ndarray] | None = None) -> RunAnalysis:
+    evals = evals or {}
     n = t.n
     has = acc.count > 0
     steps = np.flatnonzero(has)
@@ -236,10 +268,14 @@ def _assemble(meta: dict, acc: _StepAccumulator, t: _Totals, table: dict[str, np
         "time_s": time_totals,
         "tokens_per_s": t.tokens / wall if wall > 0 else float("nan"),
         "tokens_per_s_reported": _stats(_metric(table, "tokens_per_s")),
+        "reward_errors": int(t.reward_errors),
+        "reward_timeouts": int(t.reward_timeouts),
+        "eval": _eval_lists(evals),
+        "eval_accuracy": eval_accuracy(evals),
     }
     warnings = _warnings(summary, per_step, meta)
     summary["warnings"] = warnings
-    return RunAnalysis(summary, per_step, t.length_hist, t.stale_hist, warnings)
+    return RunAnalysis(summary, per_step, t.length_hist, t.stale_hist, warnings, evals)
 
 
 def _warnings(summary: dict, per_step: dict, meta: dict) -> list[str]:
@@ -259,6 +295,10 @@ def _warnings(summary: dict, per_step: dict, meta: dict) -> list[str]:
     if frac > TRUNCATION_WARN and summary["response_length"]["max_new_tokens"] != 1:
         out.append(f"{frac:.0%} of responses hit max_new_tokens ({summary['response_length']['max_new_tokens']}); "
                    "raise algorithm.max_new_tokens or add overlong shaping")
+    errors, timeouts = summary["reward_errors"], summary["reward_timeouts"]
+    if errors:
+        out.append(f"{errors} trajectories ({errors / max(summary['samples'], 1):.1%}) have a stand-in reward of 0: "
+                   f"the reward function raised for {errors - timeouts} and ran past task.reward_timeout for {timeouts}")
     bound = summary["staleness"]["bound"]
     if bound is not None and summary["staleness"]["max"] > bound:
         over = sum(v for k, v in summary["staleness"]["histogram"].items() if k > bound)

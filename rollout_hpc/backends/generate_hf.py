@@ -27,6 +27,7 @@ from rollout_hpc.envs.base import dataset_item, is_multi_turn, prompt_text
 from rollout_hpc.envs.registry import TaskError
 from rollout_hpc.exchange.schema import TrajectoryBatch
 from rollout_hpc.models.logprobs import left_pad, position_ids_from_mask
+from rollout_hpc.models.prompting import encode_prompt_item
 
 
 @dataclass(frozen=True)
@@ -35,10 +36,39 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     stop_ids: tuple[int, ...] = ()  # a sampled stop token ends the response (and is part of it)
+    stop: tuple[str, ...] = ()  # stop strings: the response ends with the token that completes one
+    greedy: bool = False  # argmax instead of sampling (eval); log-probabilities at temperature 1
 
     @classmethod
     def from_config(cls, algorithm_cfg, tokenizer) -> "SamplingParams":
-        return cls(algorithm_cfg.max_new_tokens, algorithm_cfg.temperature, algorithm_cfg.top_p, (tokenizer.eos_id,))
+        return cls(algorithm_cfg.max_new_tokens, algorithm_cfg.temperature, algorithm_cfg.top_p,
+                   tuple(getattr(tokenizer, "stop_ids", (tokenizer.eos_id,))), tuple(algorithm_cfg.stop))
+
+
+def stop_string_end(tokenizer, response_ids: Sequence[int], stops: Sequence[str]) -> int | None:
+    """Length of the response up to and including the token that completes the first stop string, or None."""
+    def has_stop(n: int) -> bool:
+        text = tokenizer.decode(list(response_ids[:n]))
+        return any(s in text for s in stops)
+
+    if not stops or not has_stop(len(response_ids)):
+        return None
+    lo, hi = 1, len(response_ids)  # a longer prefix keeps a stop string it contains: bisect for the first
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if has_stop(mid) else (mid + 1, hi)
+    return lo
+
+
+def cut_at_stop_strings(gen: "Generation", tokenizer, stops: Sequence[str]) -> "Generation":
+    """Cut every response after the token that completes a stop string (that response is then not truncated)."""
+    if not stops:
+        return gen
+    for i, ids in enumerate(gen.response_ids):
+        end = stop_string_end(tokenizer, ids, stops)
+        if end is not None:
+            gen.response_ids[i], gen.logprobs[i], gen.truncated[i] = ids[:end], gen.logprobs[i][:end], False
+    return gen
 
 
 @dataclass
@@ -90,12 +120,17 @@ def generate(
     params: SamplingParams,
     pad_id: int,
     generator: torch.Generator | Sequence[torch.Generator] | None = None,
+    stop_text: Callable[[list[int]], str] | None = None,
 ) -> Generation:
     """Sample one response per prompt (token lists) with a KV cache; prompts are left-padded.
-    `generator`: one CPU torch.Generator for the batch, or one per prompt."""
+    `generator`: one CPU torch.Generator for the batch, or one per prompt. `stop_text` (a decode function)
+    is needed for params.stop: a row ends at the token after which its text's tail contains a stop string
+    (the caller cuts exactly with cut_at_stop_strings)."""
     n = len(prompts)
     if n == 0:
         return Generation([], [], [])
+    if params.stop and stop_text is None:
+        raise ValueError("stop strings need stop_text (the tokenizer's decode)")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (start prompts with the tokenizer's BOS)")
     device = next(model.parameters()).device
@@ -113,13 +148,23 @@ def generate(
     for t in range(params.max_new_tokens):
         out = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos, use_cache=True, **{cache_kw: past})
         past = out[cache_kw]
-        logp = sampling_logprobs(out.logits[:, -1, :], params.temperature, params.top_p)
-        token = _sample(logp, generator)
+        if params.greedy:
+            logp = torch.log_softmax(out.logits[:, -1, :].float(), dim=-1)
+            token = torch.argmax(logp, dim=-1)
+        else:
+            logp = sampling_logprobs(out.logits[:, -1, :], params.temperature, params.top_p)
+            token = _sample(logp, generator)
         live = ~finished
         out_ids[live, t] = token[live]
         out_lp[live, t] = logp.gather(-1, token[:, None])[:, 0][live]
         lengths += live.long()
         finished |= torch.isin(token, stop) if len(stop) else torch.zeros_like(finished)
+        if stop_text is not None:  # stop strings: look at the tail of each live row's text
+            tail = max(len(x) for x in params.stop) + 8
+            for i in torch.nonzero(live & ~finished).flatten().tolist():
+                lo = max(0, int(lengths[i]) - tail)
+                if any(x in stop_text(out_ids[i, lo: int(lengths[i])].tolist()) for x in params.stop):
+                    finished[i] = True
         if bool(finished.all()):
             break
         # Finished rows keep being fed (their outputs are ignored): the batch shape stays fixed.
@@ -239,8 +284,13 @@ class Generator:
     seed: int
     max_context: int | None
 
-    def generate(self, prompts: list[list[int]], seeds: list[int]) -> Generation:
+    def generate(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams | None = None) -> Generation:
+        """One response per prompt; sample i seeded by seeds[i]; params default to self.sampling."""
         raise NotImplementedError
+
+    def encode_prompt(self, item) -> list[int]:
+        """The token ids the model sees for a prompt item (chat template applied where the task asks for it)."""
+        return encode_prompt_item(self.tokenizer, item, getattr(self.task, "chat_template", "auto"))
 
     def load_weights(self, weights: dict[str, Any]) -> None:
         raise NotImplementedError
@@ -270,7 +320,7 @@ class Generator:
                 [e.reward for e in eps], truncated=[e.truncated for e in eps], t_end=time.time(),
                 loss_masks=[e.loss_mask for e in eps], turn_starts=[e.turn_starts for e in eps], **common,
             )
-        prompt_tokens = [self.tokenizer.encode_prompt(prompt_text(item)) for _, item, _ in rows]
+        prompt_tokens = [self.encode_prompt(item) for _, item, _ in rows]
         gen = self.generate(prompt_tokens, row_seeds)
         rewards = [self.task.reward(item, self.tokenizer.decode(ids)) for (_, item, _), ids in zip(rows, gen.response_ids)]
         return trajectory_batch(prompt_tokens, gen.response_ids, gen.logprobs, rewards, truncated=gen.truncated,
@@ -291,9 +341,12 @@ class HFGenerator(Generator):
     def load_weights(self, weights: dict[str, Any]) -> None:
         load_weights_into(self.model, weights)
 
-    def generate(self, prompts: list[list[int]], seeds: list[int]) -> Generation:
+    def generate(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams | None = None) -> Generation:
+        params = params or self.sampling
         generators = [torch.Generator().manual_seed(s) for s in seeds]
-        return generate(self.model, prompts, self.sampling, self.tokenizer.pad_id, generators)
+        out = generate(self.model, prompts, params, self.tokenizer.pad_id, generators,
+                       stop_text=self.tokenizer.decode if params.stop else None)
+        return cut_at_stop_strings(out, self.tokenizer, params.stop)
 
 
 @torch.no_grad()

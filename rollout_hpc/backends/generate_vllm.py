@@ -17,7 +17,7 @@ from typing import Any
 
 from rollout_hpc.config import ConfigError
 
-from .generate_hf import Generation, Generator, SamplingParams
+from .generate_hf import Generation, Generator, SamplingParams, cut_at_stop_strings
 
 NEEDS = ("generator.backend 'vllm' needs vLLM and a GPU; install with pip install vllm on a GPU node, "
          "or use backend hf")
@@ -71,11 +71,14 @@ class VLLMGenerator(Generator):
         if self.max_context is None:
             self.max_context = self.llm.llm_engine.model_config.max_model_len
 
-    def generate(self, prompts: list[list[int]], seeds: list[int]) -> Generation:
+    def generate(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams | None = None) -> Generation:
         vllm = self._vllm
-        s = self.sampling
+        s = params or self.sampling
+        # Stop strings need text, and the engine has no tokenizer (skip_tokenizer_init): responses are cut after
+        # generation (cut_at_stop_strings), the same cut the HF backend makes.
         params = [
-            vllm.SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_new_tokens,
+            vllm.SamplingParams(temperature=0.0 if s.greedy else s.temperature, top_p=1.0 if s.greedy else s.top_p,
+                                max_tokens=s.max_new_tokens,
                                 stop_token_ids=list(s.stop_ids), logprobs=1, seed=seed % (1 << 63), detokenize=False)
             for seed in seeds
         ]
@@ -89,7 +92,7 @@ class VLLMGenerator(Generator):
             responses.append(ids)
             logprobs.append(lps)
             truncated.append(completion.finish_reason == "length")
-        return Generation(responses, logprobs, truncated)
+        return cut_at_stop_strings(Generation(responses, logprobs, truncated), self.tokenizer, s.stop)
 
     def load_weights(self, weights: dict[str, Any]) -> None:
         """Update the engine's weights in place from {name: array} (Hugging Face names; vLLM's

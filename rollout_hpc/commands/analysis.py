@@ -43,6 +43,17 @@ def _summary_table(summaries: dict[str, dict]) -> Table:
             f"{s['time_s'][k]:.0f}s" if k in s["time_s"] else "-" for k in ("gen_time", "train_time", "sync_time", "idle_time"))),
         ("tokens / s (wall)", lambda s: f"{s['tokens_per_s']:.4g}"),
     ]
+    listed = list(summaries.values())
+    if any(s.get("reward_errors") for s in listed):  # stand-in 0 rewards: shown only when there are some
+        rows.append(("reward errors (timeouts)", lambda s: f"{s['reward_errors']} ({s['reward_timeouts']})"))
+    if any(s.get("eval") for s in listed):  # validation during training
+        rows += [
+            ("evals", lambda s: len(s["eval"]["step"]) if s.get("eval") else 0),
+            ("eval accuracy first → last", lambda s: _first_last(s["eval_accuracy"])),
+            ("eval best (step)", lambda s: f"{s['eval_accuracy']['best']:.4g} (step {s['eval_accuracy']['best_step']})"
+             if s["eval_accuracy"] else "n/a"),
+            ("eval pass@k last", lambda s: _last(s["eval"], "pass_at_k")),
+        ]
     for label, get in rows:
         cells = []
         for s in summaries.values():
@@ -56,6 +67,17 @@ def _summary_table(summaries: dict[str, dict]) -> Table:
 
 def _first_last(stats: dict | None) -> str:
     return f"{stats['first']:.4g} → {stats['last']:.4g}" if stats else "n/a"
+
+
+def _last(columns: dict | None, name: str) -> str:
+    """The last reported value of an eval column, with its k for pass_at_k."""
+    values = [(i, v) for i, v in enumerate((columns or {}).get(name) or []) if v is not None and not math.isnan(v)]
+    if not values:
+        return "n/a"
+    i, value = values[-1]
+    k = (columns.get("k") or [None] * (i + 1))[i]
+    at = f" (k={k:.0f})" if name == "pass_at_k" and k is not None and not math.isnan(k) else ""
+    return f"{value:.4g}{at}"
 
 
 def _clean(value):
@@ -152,12 +174,13 @@ def register(subparsers) -> None:
     run_help = "run directory (or its trajectories.h5)"
     p = subparsers.add_parser("analyze", help="summary of a run from its trajectory log",
                               description="Steps, samples, tokens, reward trend, lengths, KL, entropy, staleness, "
-                              "time breakdown and warnings, streamed from RUN_DIR/trajectories.h5.")
+                              "time breakdown, reward errors, the eval curve (validation during training) and "
+                              "warnings, streamed from RUN_DIR/trajectories.h5.")
     p.add_argument("run_dir", metavar="RUN_DIR", help=run_help)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_analyze)
 
-    p = subparsers.add_parser("plot", help="PNG figures of a run (reward, length, KL/entropy, throughput, staleness, time)")
+    p = subparsers.add_parser("plot", help="PNG figures of a run (reward, length, KL/entropy, throughput, staleness, time, eval)")
     p.add_argument("run_dir", metavar="RUN_DIR", help=run_help)
     p.add_argument("--out", metavar="DIR", help="where to write the PNGs (default RUN_DIR/plots)")
     p.set_defaults(func=cmd_plot)

@@ -8,6 +8,7 @@ from rich.table import Table
 
 from rollout_hpc.commands import add_config_arguments, load, out
 from rollout_hpc.config import Config
+from rollout_hpc.envs.registry import check_task
 from rollout_hpc.launch.submit import resolve_launcher
 
 
@@ -24,7 +25,10 @@ def summary_table(cfg: Config) -> Table:
 
 def run(args: argparse.Namespace) -> int:
     cfg = load(args)
+    task = check_task(cfg)  # reads and checks a dataset's files, the reward, the eval split
     out.print(summary_table(cfg))
+    if callable(getattr(task, "describe", None)):
+        out.print(f"task {cfg.task.name}: {task.describe()}")
     out.print(
         f"[green]ok[/]: {args.config} is valid: {cfg.algorithm.name} on task {cfg.task.name}, "
         f"{cfg.algorithm.steps} steps, world of {cfg.world_size} ranks, launcher {cfg.launcher} "

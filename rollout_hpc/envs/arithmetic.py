@@ -31,15 +31,22 @@ class ArithmeticPrompts:
 
 
 class ArithmeticTask:
-    def __init__(self, max_operand: int = 9, ops: str = "+-") -> None:
+    def __init__(self, max_operand: int = 9, ops: str = "+-", eval_size: int = 64) -> None:
         if not isinstance(max_operand, int) or max_operand < 1:
             raise ValueError(f"task.params.max_operand must be an integer >= 1, got {max_operand!r}")
         if not ops or any(o not in "+-*" for o in ops):
             raise ValueError(f"task.params.ops must be a non-empty string of '+', '-', '*', got {ops!r}")
-        self.max_operand, self.ops = max_operand, ops
+        if not isinstance(eval_size, int) or eval_size < 1:
+            raise ValueError(f"task.params.eval_size must be an integer >= 1, got {eval_size!r}")
+        self.max_operand, self.ops, self.eval_size = max_operand, ops, eval_size
 
     def prompts(self, seed: int) -> ArithmeticPrompts:
         return ArithmeticPrompts(abs(int(seed)), self.max_operand, self.ops)
+
+    def eval_prompts(self, seed: int) -> list[Prompt]:
+        """A fixed held-out set of eval_size prompts (from a stream the training prompts never use)."""
+        held_out = ArithmeticPrompts(abs(int(seed)) + (1 << 40), self.max_operand, self.ops)
+        return [held_out[i] for i in range(self.eval_size)]
 
     def reward(self, prompt: Prompt, response_text: str) -> float:
         """1.0 when the response (surrounding whitespace ignored) is exactly the answer, else 0.0."""

@@ -19,9 +19,13 @@ from typing import Any, Protocol, runtime_checkable
 
 @dataclass(frozen=True)
 class Prompt:
+    """One prompt of a task. `messages` (chat turns [{role, content}, ...]) is what a chat template
+    formats when the task gives it; `text` is the plain-text form (the last user turn for chats)."""
+
     text: str
     answer: Any = None
     meta: dict = field(default_factory=dict)
+    messages: tuple | None = None
 
 
 def prompt_text(item: Any) -> str:

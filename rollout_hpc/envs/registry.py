@@ -4,25 +4,34 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout_hpc.config import ConfigError
+from rollout_hpc.errors import ConfigError
 from rollout_hpc.plugins import PluginError, checked_reward_fn, is_plugin_spec, load_plugin, load_reward
+from rollout_hpc.rewards import builtin_reward, is_builtin_reward
 
 from .arithmetic import ArithmeticTask
 from .base import is_multi_turn
+from .dataset import DatasetTask
 from .sokoban import SokobanTask
 
-BUILTIN_TASKS = {"arithmetic": ArithmeticTask, "sokoban": SokobanTask}
+BUILTIN_TASKS = {"arithmetic": ArithmeticTask, "sokoban": SokobanTask, "dataset": DatasetTask}
+NEEDS_REWARD = {"dataset"}  # tasks that bring prompts and answers but no reward of their own
 
 
-class TaskError(ConfigError, ValueError):
+class TaskError(ConfigError):
     """A task.* setting that cannot work; the message names the field and the fix."""
 
 
 class CheckedRewardTask:
-    """A single-turn task whose reward is a checked function (the task's own or a reward plugin)."""
+    """A single-turn task whose reward is a checked function (the task's own, a built-in or a reward plugin).
+    Everything else (prompts, eval_prompts, chat_template, ...) is the task's."""
 
-    def __init__(self, task: Any, reward_fn) -> None:
+    def __init__(self, task: Any, reward_fn, raw_reward=None, reward_name: str = "reward") -> None:
         self.task, self._reward = task, reward_fn
+        self.raw_reward = raw_reward or reward_fn  # unchecked: the reward pool checks values and names the plugin
+        self.reward_name = reward_name
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.task, name)
 
     def prompts(self, seed: int):
         return self.task.prompts(seed)
@@ -31,13 +40,32 @@ class CheckedRewardTask:
         return self._reward(prompt_item, response_text)
 
 
-def load_task(task_cfg) -> Any:
-    """Build the task of `cfg.task` (a TaskSection)."""
+def answer_reward(fn):
+    """A built-in reward fn(answer, response_text) as a task reward fn(prompt_item, response_text)."""
+
+    def reward(prompt_item, response_text: str) -> float:
+        return fn(getattr(prompt_item, "answer", None), response_text)
+
+    return reward
+
+
+def eval_prompts(task: Any, seed: int):
+    """The task's held-out prompts for validation, or None when it has none."""
+    method = getattr(task, "eval_prompts", None)
+    return method(seed) if callable(method) else None
+
+
+def load_task(task_cfg, data_dir=None) -> Any:
+    """Build the task of `cfg.task` (a TaskSection). data_dir: RUN_DIR/data, where a dataset task's rows were frozen."""
     name, params = task_cfg.name, dict(task_cfg.params)
     if name in BUILTIN_TASKS:
+        if name == "dataset":
+            params["data_dir"] = data_dir
         try:
             task = BUILTIN_TASKS[name](**params)
-        except (TypeError, ValueError) as exc:
+        except TypeError as exc:
+            raise TaskError(f"task.params for built-in task '{name}': {exc}") from None
+        except ValueError as exc:
             raise TaskError(f"task.params for built-in task '{name}': {exc}") from None
     elif is_plugin_spec(name):
         task = _task_from_plugin(name, params)
@@ -46,11 +74,37 @@ def load_task(task_cfg) -> Any:
             f"task.name '{name}' is not a built-in task ({', '.join(BUILTIN_TASKS)}) "
             "nor a plugin; name a plugin as 'package.module:attr' or 'path/to/file.py:attr'"
         )
-    if task_cfg.reward:
+    spec = task_cfg.reward
+    if not spec:
+        if name in NEEDS_REWARD:
+            raise TaskError(f"task.name '{name}' needs task.reward: math (math-verify: \\boxed{{}}, LaTeX, numbers, "
+                            "GSM8K '#### 42' answers), exact, regex:PATTERN, or a plugin 'file.py:fn'")
+        return task
+    if is_multi_turn(task):
+        raise TaskError(f"task.reward overrides the reward of single-turn tasks; '{name}' is multi-turn "
+                         "(its environment's step() gives the rewards)")
+    who = f"task.reward '{spec}'"
+    if is_builtin_reward(spec):
+        raw = answer_reward(builtin_reward(spec, task_cfg.format_reward, task_cfg.format_pattern))
+        return CheckedRewardTask(task, checked_reward_fn(raw, who), raw, who)
+    if not is_plugin_spec(spec):
+        raise TaskError(f"{who} is neither a built-in reward (math, exact, regex:PATTERN) nor a plugin "
+                        "('package.module:fn' or 'path/to/file.py:fn')")
+    checked = load_reward(spec, "task.reward")
+    return CheckedRewardTask(task, checked, checked.__wrapped__, who)
+
+
+def check_task(cfg) -> Any:
+    """Load cfg's task as the ranks will (reading and checking a dataset's files) and check that the eval
+    section can run on it. Raises TaskError / DatasetError / PluginError naming the field or file."""
+    task = load_task(cfg.task)
+    if cfg.eval is not None:
         if is_multi_turn(task):
-            raise TaskError(f"task.reward overrides the reward of single-turn tasks; '{name}' is multi-turn "
-                             "(its environment's step() gives the rewards)")
-        return CheckedRewardTask(task, load_reward(task_cfg.reward, "task.reward"))
+            raise TaskError(f"eval: validation runs single-turn tasks; '{cfg.task.name}' is multi-turn (remove eval:)")
+        rows = eval_prompts(task, cfg.run.seed)
+        if rows is None or len(rows) == 0:
+            raise TaskError(f"eval: task '{cfg.task.name}' has no held-out prompts; for a dataset set task.params.val "
+                            "(a file) or task.params.val_fraction (a seeded split of train), or remove the eval: section")
     return task
 
 
@@ -78,4 +132,4 @@ def _task_from_plugin(spec: str, params: dict) -> Any:
     if not callable(getattr(task, "reward", None)):
         raise PluginError(f"{who} gave a {type(task).__name__} with neither reward(prompt, response_text) "
                           "nor make_env(); see docs/plugins.md")
-    return CheckedRewardTask(task, checked_reward_fn(task.reward, f"{who} reward()"))
+    return CheckedRewardTask(task, checked_reward_fn(task.reward, f"{who} reward()"), task.reward, f"{who} reward()")

@@ -39,7 +39,8 @@ FIXED_DTYPE = np.dtype(
         ("response_len", "<u4"),
         ("n_turns", "<u4"),
         ("truncated", "u1"),  # response hit max_new_tokens
-        ("_pad", "u1", (7,)),
+        ("reward_status", "u1"),  # REWARD_OK, or why the reward is a stand-in 0 (REWARD_ERROR, REWARD_TIMEOUT)
+        ("_pad", "u1", (6,)),
         ("t_start", "<f8"),  # wall clock (time.time()) when generation began
         ("t_end", "<f8"),  # when the reward was computed
     ]
@@ -52,6 +53,9 @@ RAGGED = (
     ("loss_mask", np.uint8, "response_len"),
     ("turn_starts", np.int32, "n_turns"),
 )
+
+# reward_status values: the reward function returned a number / raised / ran past task.reward_timeout.
+REWARD_OK, REWARD_ERROR, REWARD_TIMEOUT = 0, 1, 2
 
 _LENGTH_FIELDS = {length_field for _, _, length_field in RAGGED}
 _HEADER = struct.Struct("<4sII6Q4x")

@@ -6,6 +6,7 @@
       job.sbatch             the rendered job script (Slurm runs), or the script sbatch ran
       manifest.json          run name, creation time, config digest, launcher, job ids, version, host
       logs/                  slurm-<jobid>.out/.err, local-<n>.out
+      data/                  a dataset task's rows, frozen: train.arrow, val.arrow (memory-mapped by the ranks)
 
 A run directory appears complete or not at all: it is built in a hidden temporary directory
 beside its final path and renamed into place.
@@ -28,12 +29,14 @@ import yaml
 
 from rollout_hpc import __version__
 from rollout_hpc.config import Config, UserError
+from rollout_hpc.envs.registry import check_task
 
 MANIFEST = "manifest.json"
 RESOLVED_CONFIG = "config.resolved.yaml"
 CONFIG_SNAPSHOT = "config.yaml"
 JOB_SCRIPT = "job.sbatch"
 LOGS = "logs"
+DATA = "data"
 
 
 def now_utc() -> str:
@@ -77,6 +80,11 @@ def create_run_dir(
         if script is not None:
             (tmp / JOB_SCRIPT).write_text(script)
         (tmp / LOGS).mkdir()
+        # A dataset task's rows are read, checked and frozen here (memory-mapped Arrow): errors before anything
+        # is submitted, and every allocation of the run reads the same rows even if the source file changes.
+        task = check_task(cfg)
+        if callable(getattr(task, "freeze", None)):
+            task.freeze(tmp / DATA)
         manifest = {
             "name": cfg.run.name,
             "created": now_utc(),

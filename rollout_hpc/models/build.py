@@ -9,13 +9,9 @@ from pathlib import Path
 
 import torch
 
-from rollout_hpc.config import ConfigError
+from rollout_hpc.errors import ModelLoadError  # noqa: F401  (re-exported: models.ModelLoadError)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelLoadError(ConfigError, ValueError):
-    """model.path is not a loadable causal-LM directory; the message says why and what to do."""
 
 
 def tiny_config(model_cfg, vocab_size: int, pad_id: int = 0, bos_id: int = 1, eos_id: int = 2):

@@ -1,19 +1,25 @@
 """Tokenizers behind one small interface: the built-in character tokenizer (made in
 code, nothing to download) and a wrapper around a local Hugging Face tokenizer.
 
-Interface: encode(text) -> list[int] (no special tokens), encode_prompt(text) (BOS first
-when the tokenizer has one), decode(ids) -> str (special tokens dropped), vocab_size,
-pad_id, eos_id, bos_id.
+Interface: encode(text) -> list[int] (no special tokens), encode_prompt(text) (raw text: the
+tokenizer's own special tokens, i.e. BOS where it has one), encode_chat(messages) (the chat
+template's text, tokenized with exactly the special tokens the template writes: a template that
+writes its own BOS gets one BOS), decode(ids, skip_special=True), chat_template (the template text or None),
+render_chat(messages, template=None) -> str, vocab_size, pad_id, eos_id, bos_id, stop_ids (every id that
+ends a response: EOS and generation_config.json's eos_token_id list).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import string
 from pathlib import Path
 from typing import Protocol
 
 import yaml
+
+from rollout_hpc.errors import ModelLoadError
 
 
 class Tokenizer(Protocol):
@@ -21,21 +27,48 @@ class Tokenizer(Protocol):
     pad_id: int
     eos_id: int
     bos_id: int | None
+    stop_ids: tuple[int, ...]
+    chat_template: str | None
 
     def encode(self, text: str) -> list[int]: ...
     def encode_prompt(self, text: str) -> list[int]: ...
-    def decode(self, ids) -> str: ...
+    def encode_chat(self, messages, template: str | None = None) -> list[int]: ...
+    def render_chat(self, messages, template: str | None = None) -> str: ...
+    def decode(self, ids, skip_special: bool = True) -> str: ...
+
+
+# The built-in tokenizer's chat template: role-tagged lines, the assistant's turn opened last.
+CHAR_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def render_template(template: str, messages, **variables) -> str:
+    """Render a Hugging Face style chat template (jinja2, sandboxed, trim_blocks/lstrip_blocks as transformers does)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise ValueError(f"the chat template refused the messages: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(messages=[dict(m) for m in messages], add_generation_prompt=True, **variables)
 
 
 class CharTokenizer:
     """One token per character: pad, bos, eos, then newline and printable ASCII
-    (digits, + - * =, letters, the sokoban glyphs # @ $ . * +, space, ...)."""
+    (digits, + - * =, letters, the sokoban glyphs # @ $ . * +, space, ...).
+    The special tokens are written <pad>, <s>, </s> in rendered text (chat templates)."""
 
     PAD, BOS, EOS = 0, 1, 2
     CHARS = "\n" + "".join(c for c in string.printable if c.isprintable())  # 95 printable ASCII + newline
+    SPECIAL_TEXT = ("<pad>", "<s>", "</s>")
 
     def __init__(self) -> None:
         self.pad_id, self.bos_id, self.eos_id = self.PAD, self.BOS, self.EOS
+        self.stop_ids = (self.EOS,)
+        self.chat_template: str | None = CHAR_CHAT_TEMPLATE
         self._special = 3
         self._to_id = {c: i + self._special for i, c in enumerate(self.CHARS)}
         self.vocab_size = self._special + len(self.CHARS)
@@ -52,8 +85,23 @@ class CharTokenizer:
     def encode_prompt(self, text: str) -> list[int]:
         return [self.bos_id] + self.encode(text)
 
-    def decode(self, ids) -> str:
-        return "".join(self.CHARS[i - self._special] for i in (int(x) for x in ids) if i >= self._special)
+    def render_chat(self, messages, template: str | None = None) -> str:
+        return render_template(template or self.chat_template, messages, bos_token="<s>", eos_token="</s>")
+
+    def encode_chat(self, messages, template: str | None = None) -> list[int]:
+        text, ids = self.render_chat(messages, template), []
+        for i, piece in enumerate(re.split(r"(<pad>|<s>|</s>)", text)):  # odd pieces are the special tokens
+            ids += [self.SPECIAL_TEXT.index(piece)] if i % 2 else self.encode(piece)
+        return ids
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        out = []
+        for i in (int(x) for x in ids):
+            if i >= self._special:
+                out.append(self.CHARS[i - self._special])
+            elif not skip_special:
+                out.append(self.SPECIAL_TEXT[i])
+        return "".join(out)
 
 
 class HFTokenizer:
@@ -66,26 +114,60 @@ class HFTokenizer:
         try:
             self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as exc:
-            from .build import ModelLoadError
-
             raise ModelLoadError(f"model.path {path}: no usable tokenizer in that directory ({exc})") from None
         if self._tok.eos_token_id is None:
-            from .build import ModelLoadError
-
             raise ModelLoadError(f"model.path {path}: the tokenizer has no EOS token, so responses could never end")
         self.eos_id = int(self._tok.eos_token_id)
         self.pad_id = int(self._tok.pad_token_id) if self._tok.pad_token_id is not None else self.eos_id
         self.bos_id = int(self._tok.bos_token_id) if self._tok.bos_token_id is not None else None
         self.vocab_size = len(self._tok)
+        self.path = path
+        self.chat_template = self._tok.chat_template if isinstance(self._tok.chat_template, str) else None
+        # Instruct models stop at several ids (Qwen2.5: <|im_end|> and <|endoftext|>; Llama 3: <|eot_id|> too).
+        self.stop_ids = tuple(dict.fromkeys([self.eos_id, *generation_stop_ids(path)]))
+        probe = self._tok.encode("a", add_special_tokens=True)
+        self._adds_bos = self.bos_id is not None and bool(probe) and probe[0] == self.bos_id
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
 
     def encode_prompt(self, text: str) -> list[int]:
-        return ([self.bos_id] if self.bos_id is not None else []) + self.encode(text)
+        """Raw text with the tokenizer's own special tokens (its post-processor: BOS for Llama, none for Qwen)."""
+        ids = list(self._tok.encode(text, add_special_tokens=True))
+        if not ids or (self.bos_id is not None and ids[0] != self.bos_id and self._adds_bos):
+            ids = [self.bos_id] + ids
+        return ids or [self.eos_id]
 
-    def decode(self, ids) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+    def render_chat(self, messages, template: str | None = None) -> str:
+        if template is None and self.chat_template is None:
+            raise ModelLoadError(f"model.path {self.path}: the tokenizer has no chat template; set "
+                                 "task.params.chat_template to none (raw text) or to a .jinja file")
+        return self._tok.apply_chat_template([dict(m) for m in messages], chat_template=template,
+                                             add_generation_prompt=True, tokenize=False)
+
+    def encode_chat(self, messages, template: str | None = None) -> list[int]:
+        # The template writes every special token it wants (Llama 3's BOS, ChatML's <|im_start|>):
+        # tokenize with none added, as transformers' apply_chat_template(tokenize=True) does.
+        return list(self._tok.encode(self.render_chat(messages, template), add_special_tokens=False))
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+
+def generation_stop_ids(path: str | Path) -> list[int]:
+    """eos_token_id of a model directory's generation_config.json (an int or a list; [] when absent)."""
+    import json
+
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return []
+    try:
+        value = json.loads(file.read_text()).get("eos_token_id")
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{file} is not valid JSON ({exc}); fix or remove it") from None
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, list) else [value])]
 
 
 def load_tokenizer(model_cfg) -> Tokenizer:

@@ -39,6 +39,11 @@ def install_stop_handlers() -> None:
         signal.signal(sig, lambda signum, frame: _stop.set())
 
 
+def stop_signalled() -> bool:
+    """Whether SIGUSR1 / SIGTERM arrived at this rank."""
+    return _stop.is_set()
+
+
 class Checkpointer:
     def __init__(self, world, cfg, run_dir: Path):
         self.world = world

@@ -18,70 +18,67 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-
 from rollout_hpc.exchange.weights import SyncClosed
+from rollout_hpc.runtime.evaluation import EvalSchedule, Evaluator
 from rollout_hpc.runtime.step_plan import StepPlan, informative_groups, rank_share
+from rollout_hpc.runtime.world import abort_world
 
 
 class RewardWorkers:
-    """Scores generated batches in worker threads and puts them into the exchange in order.
+    """Scores generated batches in reward worker processes and puts them into the exchange in order.
 
-    The generator thread submits unscored samples and goes on; a sender thread
-    waits for each batch's rewards (computed by a small pool) and puts batches
-    in submission order, so the trainer's input never depends on thread timing.
+    The generator thread submits unscored samples and goes on; a sender thread has each batch scored by
+    the pool (rollout_hpc.rewards.RewardPool: separate processes, a timeout per sample) and puts batches
+    in submission order, so the trainer's input never depends on thread timing. A sample whose reward
+    raised or timed out scores 0 with its reward_status set (logged, counted per step). A reward that
+    returns a non-number (NaN, inf, a string) ends the whole job at once with a message naming the
+    reward: a wrong reward would silently train the model on garbage.
     """
 
-    def __init__(self, exchange, reward_fn, n_workers: int = 2):
-        self.exchange = exchange
-        self.reward_fn = reward_fn
-        self.pool = ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="reward")
+    def __init__(self, exchange, pool):
+        self.exchange, self.pool = exchange, pool
+        self.lock = threading.Lock()  # one caller of the pool at a time (sender thread, eval, refills)
         self.queue: queue.Queue = queue.Queue(maxsize=4)  # bound the work in flight
-        self.error: BaseException | None = None
         self.sender = threading.Thread(target=self._send_loop, name="reward-sender", daemon=True)
         self.sender.start()
 
-    def submit(self, batch, items: list, texts: list[str]) -> None:
-        """`batch` rows are (prompt, sample) ordered; items/texts per row. Rewards fill batch.fixed['reward']."""
-        self._raise()
-        futures = [self.pool.submit(self.reward_fn, item, text) for item, text in zip(items, texts)]
-        self.queue.put((batch, futures))
+    def score(self, jobs: list) -> list:
+        """[(key, text)] -> [RewardResult], in order (blocks)."""
+        with self.lock:
+            return self.pool.score(jobs)
 
-    def score_now(self, batch, items: list, texts: list[str]):
-        """Score on the pool and wait (dynamic sampling must see rewards before it decides on a refill).
-        Only for runs that never `submit`: the batch is returned, not put into the exchange."""
-        self._raise()
-        batch.fixed["reward"] = list(self.pool.map(self.reward_fn, items, texts))
+    def _scored(self, batch, keys: list, texts: list[str]):
+        results = self.score(list(zip(keys, texts)))
+        batch.fixed["reward"] = [r.value for r in results]
+        batch.fixed["reward_status"] = [r.status for r in results]
         batch.fixed["t_end"] = time.time()
         return batch
+
+    def submit(self, batch, keys: list, texts: list[str]) -> None:
+        """`batch` rows are (prompt, sample) ordered; keys/texts per row. Rewards fill batch.fixed['reward']."""
+        self.queue.put((batch, keys, texts))
+
+    def score_now(self, batch, keys: list, texts: list[str]):
+        """Score and wait (dynamic sampling must see rewards before it decides on a refill)."""
+        return self._scored(batch, keys, texts)
 
     def _send_loop(self) -> None:
         while True:
             job = self.queue.get()
             if job is None:
                 return
-            batch, futures = job
             try:
-                batch.fixed["reward"] = [f.result() for f in futures]
-                batch.fixed["t_end"] = time.time()
-                self.exchange.put(batch)
-            except BaseException as exc:  # surfaced on the generator thread's next call
-                self.error = exc
-                return
-
-    def _raise(self) -> None:
-        if self.error is not None:
-            raise self.error
+                self.exchange.put(self._scored(*job))
+            except BaseException as exc:  # noqa: BLE001 - any failure here must end the job, not this thread
+                abort_world(str(exc) if hasattr(exc, "args") and exc.args else repr(exc))
 
     def close(self) -> None:
         """Wait until everything submitted is scored and in the exchange."""
         self.queue.put(None)
         self.sender.join()
-        self.pool.shutdown()
-        self._raise()
+        self.pool.close()
 
 
 def make_generator(cfg, model, tokenizer, task):
@@ -97,26 +94,25 @@ def make_generator(cfg, model, tokenizer, task):
 
 
 def generate_unscored(gen, dataset, prompt_indices, group_size: int, gen_rank: int, version: int):
-    """Single-turn sampling without rewards: (batch with reward 0, items, response texts).
+    """Single-turn sampling without rewards: (batch with reward 0, reward keys, response texts).
 
     The same rows and seeds as Generator.rollout, which scores inline; here the
-    reward workers score it."""
+    reward workers score it, by key ("train", prompt index)."""
     from rollout_hpc.backends.generate_hf import derive_seed, trajectory_batch
-    from rollout_hpc.envs.base import dataset_item, prompt_text
+    from rollout_hpc.envs.base import dataset_item
 
     t_start = time.time()
-    # Each prompt is built and tokenized once; its group_size rows share the item and the token list.
-    per_prompt = {int(i): dataset_item(dataset, int(i)) for i in prompt_indices}
-    tokens = {i: gen.tokenizer.encode_prompt(prompt_text(item)) for i, item in per_prompt.items()}
-    rows = [(i, item, s) for i, item in per_prompt.items() for s in range(group_size)]
-    prompts = [tokens[i] for i, _, _ in rows]
-    out = gen.generate(prompts, [derive_seed(gen.seed, i, s) for i, _, s in rows])
+    # Each prompt is built and tokenized once; its group_size rows share the token list.
+    tokens = {int(i): gen.encode_prompt(dataset_item(dataset, int(i))) for i in prompt_indices}
+    rows = [(i, s) for i in tokens for s in range(group_size)]
+    prompts = [tokens[i] for i, _ in rows]
+    out = gen.generate(prompts, [derive_seed(gen.seed, i, s) for i, s in rows])
     batch = trajectory_batch(
         prompts, out.response_ids, out.logprobs, [0.0] * len(rows), truncated=out.truncated,
-        prompt_index=[r[0] for r in rows], sample_idx=[r[2] for r in rows], gen_rank=gen_rank,
+        prompt_index=[r[0] for r in rows], sample_idx=[r[1] for r in rows], gen_rank=gen_rank,
         policy_version=version, t_start=t_start, t_end=t_start,
     )
-    return batch, [item for _, item, _ in rows], [gen.tokenizer.decode(ids) for ids in out.response_ids]
+    return batch, [("train", i) for i, _ in rows], [gen.tokenizer.decode(ids) for ids in out.response_ids]
 
 
 def generate_with_refills(world, cfg, plan, gen, dataset, exchange, workers, version: int) -> None:
@@ -137,31 +133,67 @@ def generate_with_refills(world, cfg, plan, gen, dataset, exchange, workers, ver
             return
 
 
-def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights) -> int:
+def reward_pool(cfg, task, run_dir: Path):
+    """The reward worker processes of this generator rank (they rebuild the task from its config)."""
+    from rollout_hpc.envs.scoring import reward_name
+    from rollout_hpc.rewards import RewardPool
+
+    data_dir = run_dir / "data"
+    args = (cfg.task.model_dump(mode="json"), cfg.run.seed, str(data_dir) if data_dir.is_dir() else None)
+    return RewardPool("rollout_hpc.envs.scoring:task_scorer", args, n_workers=cfg.task.reward_workers,
+                      timeout_s=cfg.task.reward_timeout, name=reward_name(task, cfg.task))
+
+
+def make_evaluator(world, cfg, gen, task, workers, eval_comm):
+    from rollout_hpc.envs.registry import eval_prompts
+
+    rows = eval_prompts(task, cfg.run.seed)
+    if rows is None or workers is None:
+        return None  # refused at submit time (commands check it); a multi-turn task has no eval here
+    logger = next(r.rank for r in world.ranks if r.role == "trainer" and r.group_rank == 0)
+    return Evaluator(world, cfg, gen, rows, workers, eval_comm, logger)
+
+
+def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights, eval_comm=None) -> int:
     from rollout_hpc.envs import load_task
     from rollout_hpc.envs.base import is_multi_turn
 
     a = cfg.algorithm
-    task = load_task(cfg.task)
+    data_dir = run_dir / "data"
+    task = load_task(cfg.task, data_dir=data_dir if data_dir.is_dir() else None)
     dataset = task.prompts(cfg.run.seed)
     gen = make_generator(cfg, model, tokenizer, task)
     multi_turn = is_multi_turn(task)
-    workers = None if multi_turn else RewardWorkers(exchange, task.reward)
+    workers = None if multi_turn else RewardWorkers(exchange, reward_pool(cfg, task, run_dir))
+    evaluator = make_evaluator(world, cfg, gen, task, workers, eval_comm) if cfg.eval and eval_comm else None
 
     # The trainers publish the weights they start from; its version is the first step to generate.
     version, tensors = weights.receive(0)
     gen.load_weights(tensors)
     step = version
+    schedule = EvalSchedule(cfg, step)
+
+    def evaluate_if_due(step: int) -> None:
+        nonlocal version
+        point = schedule.due(step) if evaluator else None
+        if point is None:
+            return
+        if version < point:  # off-policy runs: evaluate the point's own weights
+            version, tensors = weights.receive(point)
+            gen.load_weights(tensors)
+        evaluator.run(point, version)
+
     try:
         while step < a.steps:
             need = step - cfg.exchange.max_staleness
             try:
                 got = weights.poll() if version >= need else weights.receive(need)
+                if got is not None:
+                    version, tensors = got
+                    gen.load_weights(tensors)
+                evaluate_if_due(step)
             except SyncClosed:
                 break  # the trainers stopped (end of run, or a checkpoint-and-stop)
-            if got is not None:
-                version, tensors = got
-                gen.load_weights(tensors)
             plan = StepPlan.for_step(cfg, step)
             if plan.done:  # one round: hand it to the reward workers and go on to the next step
                 ids = rank_share(plan.round, world.group_rank, world.group_size)
@@ -173,6 +205,11 @@ def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights
             else:
                 generate_with_refills(world, cfg, plan, gen, dataset, exchange, workers, version)
             step += 1
+        else:
+            try:  # the final eval: the weights of the last step
+                evaluate_if_due(a.steps)
+            except SyncClosed:
+                pass
     finally:
         if workers is not None:
             workers.close()

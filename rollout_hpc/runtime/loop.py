@@ -66,12 +66,14 @@ def _run(world, cfg, run_dir: Path) -> int:
     # The trainers' publish waits until each generator's receiver thread wakes up to join the broadcast:
     # poll every 0.5 ms (not the 2 ms default), which took ~2 ms off every step of the quickstart.
     weights = WeightSync(world, cfg, poll_interval=0.0005)
+    # Eval results travel generator group rank 0 -> the log writer on a communicator of their own (collective here).
+    eval_comm = world.comm.Dup() if cfg.eval else None
     # Orderly shutdown on success only: after an exception the entry point aborts the whole world,
     # because waiting for partners here could block until the time limit.
     if world.is_generator:
         from rollout_hpc.runtime.generator_loop import run_generator
 
-        code = run_generator(world, cfg, run_dir, model, tokenizer, exchange, weights)
+        code = run_generator(world, cfg, run_dir, model, tokenizer, exchange, weights, eval_comm)
         try:  # keep taking part in weight broadcasts until the trainers close the stream
             while True:
                 weights.receive(1 << 62)
@@ -82,7 +84,7 @@ def _run(world, cfg, run_dir: Path) -> int:
         return code
     from rollout_hpc.runtime.trainer_loop import run_trainer
 
-    code = run_trainer(world, cfg, run_dir, model, exchange, weights)
+    code = run_trainer(world, cfg, run_dir, model, exchange, weights, eval_comm=eval_comm)
     weights.close()
     exchange.close()  # returns once every generator has sent END
     return code

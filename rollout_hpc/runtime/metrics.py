@@ -29,6 +29,7 @@ _LINE = (
     ("train_time", "train", "{:.2f}s"),
     ("sync_time", "sync", "{:.2f}s"),
     ("tokens_per_s", "tok/s", "{:.0f}"),
+    ("reward_errors", "reward errors", "{:.0f}"),  # shown only when non-zero
 )
 
 
@@ -52,13 +53,14 @@ def batch_metrics(batch: TrajectoryBatch, step: int) -> dict[str, float]:
         "samples": float(len(batch)),
         "tokens": float(f["response_len"].sum() + f["prompt_len"].sum()),
         "response_tokens": float(f["response_len"].sum()),
+        "reward_errors": float(np.count_nonzero(f["reward_status"])),  # raised or timed out: scored 0
     }
 
 
 def progress_line(step: int, steps: int, m: dict[str, float]) -> str:
     parts = [f"step {step + 1}/{steps}"]
     for key, label, fmt in _LINE:
-        if key in m:
+        if key in m and not (key == "reward_errors" and not m[key]):
             value = fmt.format(m[key])
             if label == "±":
                 parts[-1] += f" ±{value}"  # "reward 0.42 ±0.31"

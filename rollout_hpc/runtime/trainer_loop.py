@@ -22,6 +22,7 @@ from rollout_hpc.backends.trainer import make_trainer, model_logits, token_logpr
 from rollout_hpc.exchange.schema import TrajectoryBatch
 from rollout_hpc.runtime import batching, checkpointing
 from rollout_hpc.runtime.critic import Critic, PolicyAndCritic
+from rollout_hpc.runtime.evaluation import EvalReceiver
 from rollout_hpc.runtime.metrics import MetricsSink, batch_metrics
 from rollout_hpc.runtime.step_plan import StepPlan, informative_groups
 
@@ -93,7 +94,8 @@ class Reference:
         return token_logprobs(logits, ids, self.temperature)[0].cpu()
 
 
-def run_trainer(world, cfg, run_dir: Path, model: torch.nn.Module, exchange, weights, quiet: bool = False) -> int:
+def run_trainer(world, cfg, run_dir: Path, model: torch.nn.Module, exchange, weights, quiet: bool = False,
+                eval_comm=None) -> int:
     a = cfg.algorithm
     spec = algos.get_algorithm(a.name)
     initial = copy.deepcopy(model) if a.kl_coef > 0 else None  # before a backend shards or moves the model
@@ -107,6 +109,7 @@ def run_trainer(world, cfg, run_dir: Path, model: torch.nn.Module, exchange, wei
     is_logger = world.group_rank == 0
     sink = MetricsSink(run_dir, cfg, steps_done=start, quiet=quiet) if is_logger else None
     receiver = StepReceiver(exchange, world, cfg)
+    evals = EvalReceiver(eval_comm, source=0, quiet=quiet) if is_logger and eval_comm is not None else None
     sync = weights.publish(start, trainer.full_weights())  # generators start from exactly these weights
     exit_code = 0
     try:
@@ -153,6 +156,8 @@ def run_trainer(world, cfg, run_dir: Path, model: torch.nn.Module, exchange, wei
                     policy_version=float(step + 1),
                 )
                 sink.write(step, a.steps, batch, m)
+                if evals:
+                    evals.poll(sink.log)
             t_prev = t_synced
             if ckpt.due(step + 1):
                 if sink is not None:  # the log must hold every step the checkpoint covers: a resume continues after it
@@ -161,6 +166,8 @@ def run_trainer(world, cfg, run_dir: Path, model: torch.nn.Module, exchange, wei
                 if ckpt.stop_requested and step + 1 < a.steps:
                     exit_code = checkpointing.EXIT_PREEMPTED
                     break
+        if evals and exit_code == 0:  # the final eval runs on the last step's weights, published above
+            evals.wait_for(sink.log, a.steps, lambda: checkpointing.stop_signalled())
     finally:
         if sink is not None:
             sink.close()

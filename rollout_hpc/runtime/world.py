@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass, field
 
 import mpi4py
@@ -183,3 +184,13 @@ def free_world(world: World) -> None:
     """Release the communicators (before MPI finalises at exit)."""
     for c in (world.inter_comm, world.node_comm, world.group_comm):
         c.Free()
+
+
+def abort_world(message: str, code: int = 2) -> None:
+    """From any thread of any rank: say why, then end every rank of the job (MPI_Abort). For errors found off the
+    main thread (a reward worker's fatal result): raising there would only end that thread while the main thread
+    waits for weights that never come."""
+    rank = os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMIX_RANK") or os.environ.get("SLURM_PROCID", "?")
+    print(f"rollout-hpc: rank {rank}: error: {message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    _mpi().COMM_WORLD.Abort(code)

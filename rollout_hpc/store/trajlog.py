@@ -8,6 +8,9 @@ RUN_DIR/trajectories.h5 (docs/storage.md has the full layout):
                              turn_starts) with /traj/{prompt,response,turn}_offsets (rows + 1 entries, from 0)
     /metrics/columns         metric names (fixed-length strings); /metrics/values: (steps, columns) float64
     /progress                [committed trajectory rows, committed metric rows, closed cleanly (0/1)]
+    /eval/columns, /eval/values, /eval/committed
+                             validation during training: one row per eval of the policy on the held-out
+                             split ((evals, columns) float64, column 0 `step`) and its committed-row count
 
 One writer holds the file in SWMR mode (libver='latest'), so readers may open it
 while it grows. `flush()` makes data durable first and then advances /progress;
@@ -45,6 +48,13 @@ STANDARD_METRICS = (
     "step", "time", "reward_mean", "reward_std", "reward_min", "reward_max", "response_len_mean",
     "response_len_max", "kl", "entropy", "clip_frac", "staleness_mean", "staleness_max", "gen_time",
     "train_time", "sync_time", "idle_time", "tokens_per_s", "samples", "allocation", "policy_version",
+)
+# Validation during training: one row per eval (the generator ranks evaluate the policy of version `step` on
+# the held-out split). k = samples per prompt; pass_at_k / mean_at_k over those k samples; reward_errors =
+# samples whose reward is a stand-in 0 (reward_status != REWARD_OK).
+STANDARD_EVAL_METRICS = (
+    "step", "time", "accuracy", "mean_reward", "pass_at_k", "mean_at_k", "k", "prompts", "samples",
+    "response_len_mean", "reward_errors",
 )
 METRIC_NAME_BYTES = 64
 
@@ -109,6 +119,9 @@ class TrajectoryLog:
         self._rows = int(self._traj["step"].shape[0])
         self._metric_rows = int(self._metrics["values"].shape[0])
         self._columns = [c.decode() for c in self._metrics["columns"][:]]
+        self._eval, self._eval_committed = f["eval"], f["eval/committed"]
+        self._eval_rows = int(self._eval["values"].shape[0])
+        self._eval_columns = [c.decode() for c in self._eval["columns"][:]]
         self._pending: list[tuple[TrajectoryBatch, int, int]] = []
         self._pending_rows = 0
         self._step_stats: dict[int, list[np.ndarray]] = {}
@@ -163,6 +176,7 @@ class TrajectoryLog:
         metrics.create_dataset("columns", data=names, maxshape=(None,), chunks=(64,))
         metrics.create_dataset("values", (0, len(names)), np.float64, maxshape=(None, None), chunks=(256, 32), fillvalue=np.nan)
         f.create_dataset("progress", data=np.zeros(3, np.int64))
+        _create_eval_group(f)
         return f
 
     @staticmethod
@@ -176,7 +190,14 @@ class TrajectoryLog:
             raise TrajectoryLogError(f"{path}: cannot be reopened for append ({str(exc).splitlines()[0]})") from None
         try:
             _check_format(f, path)
+            # Objects a log written by an older rollout-hpc lacks are created now: SWMR mode (next) forbids it.
+            upgraded = [] if "eval" in f else ["/eval"]
+            if upgraded:
+                _create_eval_group(f)
             reconciled = _reconcile(f, resume_step)
+            upgraded += reconciled.pop("columns_added", [])
+            if upgraded:
+                reconciled["upgraded"] = upgraded
         except BaseException:
             f.close()
             raise
@@ -225,22 +246,24 @@ class TrajectoryLog:
         """One row of the per-step table. Reward, response length, staleness and sample stats of the
         rows appended for `step` are filled in unless given; unknown names become new columns."""
         row = {"step": step, "time": time.time(), **self._derived(step), **metrics}
-        for name, value in row.items():
-            try:
-                row[name] = float(value)
-            except (TypeError, ValueError):
-                raise TrajectoryLogError(f"metric '{name}' = {value!r} is not a number") from None
-            if name not in self._columns:
-                self._add_column(name)
-        values = np.full(len(self._columns), np.nan)
-        for name, value in row.items():
-            values[self._columns.index(name)] = value
-        ds = self._metrics["values"]
-        ds.resize((self._metric_rows + 1, len(self._columns)))
-        ds[self._metric_rows] = values
+        _append_row(self._metrics, self._columns, self._metric_rows, row)
         self._metric_rows += 1
         if flush:
             self.flush()
+
+    def append_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """One row of the eval table: the policy of version `step` evaluated on the held-out split.
+
+        Standard names: STANDARD_EVAL_METRICS (accuracy, mean_reward, pass_at_k, mean_at_k, k, prompts,
+        samples, response_len_mean, reward_errors; `time` defaults to now); unknown names become new
+        columns. Durable when it returns: the row is flushed before /eval/committed counts it. Trajectory
+        rows and metric rows still buffered are not committed by this (flush() does that)."""
+        row = {"time": time.time(), **metrics, "step": step}
+        _append_row(self._eval, self._eval_columns, self._eval_rows, row)
+        self._eval_rows += 1
+        self._f.flush()
+        self._eval_committed[0] = self._eval_rows
+        self._f.flush()
 
     def _derived(self, step: int) -> dict[str, float]:
         parts = self._step_stats.pop(step, None)
@@ -250,15 +273,6 @@ class TrajectoryLog:
         return {"reward_mean": reward.mean(), "reward_std": reward.std(), "reward_min": reward.min(),
                 "reward_max": reward.max(), "response_len_mean": length.mean(), "response_len_max": length.max(),
                 "staleness_mean": stale.mean(), "staleness_max": stale.max(), "samples": len(reward)}
-
-    def _add_column(self, name: str) -> None:
-        if len(name.encode()) > METRIC_NAME_BYTES:
-            raise TrajectoryLogError(f"metric name '{name}' is longer than {METRIC_NAME_BYTES} bytes; shorten it")
-        columns = self._metrics["columns"]
-        columns.resize((len(self._columns) + 1,))  # name first: readers take min(names, value columns)
-        columns[len(self._columns)] = name.encode()
-        self._columns.append(name)
-        self._metrics["values"].resize((self._metric_rows, len(self._columns)))
 
     def flush(self) -> None:
         """Make everything appended durable, then commit it for readers."""
@@ -270,6 +284,10 @@ class TrajectoryLog:
     @property
     def rows(self) -> int:
         return self._rows + self._pending_rows
+
+    @property
+    def eval_rows(self) -> int:
+        return self._eval_rows
 
     def close(self) -> None:
         if self._f.id.valid:
@@ -285,6 +303,59 @@ class TrajectoryLog:
         self.close()
 
 
+def _create_eval_group(f: h5py.File) -> None:
+    group = f.create_group("eval")
+    names = np.array([n.encode() for n in STANDARD_EVAL_METRICS], f"S{METRIC_NAME_BYTES}")
+    group.create_dataset("columns", data=names, maxshape=(None,), chunks=(64,))
+    group.create_dataset("values", (0, len(names)), np.float64, maxshape=(None, None), chunks=(64, 16), fillvalue=np.nan)
+    group.create_dataset("committed", data=np.zeros(1, np.int64))
+
+
+def _append_row(table: h5py.Group, columns: list[str], rows: int, row: dict) -> None:
+    """Write `row` ({name: number}) as row `rows` of a (rows x columns) table (/metrics or /eval); unknown
+    names become new columns (the name first: readers take min(names, value columns))."""
+    for name, value in row.items():
+        try:
+            row[name] = float(value)
+        except (TypeError, ValueError):
+            raise TrajectoryLogError(f"metric '{name}' = {value!r} is not a number") from None
+        if name not in columns:
+            if len(name.encode()) > METRIC_NAME_BYTES:
+                raise TrajectoryLogError(f"metric name '{name}' is longer than {METRIC_NAME_BYTES} bytes; shorten it")
+            table["columns"].resize((len(columns) + 1,))
+            table["columns"][len(columns)] = name.encode()
+            columns.append(name)
+            table["values"].resize((rows, len(columns)))
+    values = np.full(len(columns), np.nan)
+    for name, value in row.items():
+        values[columns.index(name)] = value
+    ds = table["values"]
+    ds.resize((rows + 1, len(columns)))
+    ds[rows] = values
+
+
+def _dedupe_by_step(values: np.ndarray) -> np.ndarray:
+    """Rows of a table with column 0 = step: the last row of each step, sorted by step."""
+    if not len(values):
+        return values
+    steps = values[:, 0]
+    last = len(steps) - 1 - np.unique(steps[::-1], return_index=True)[1]
+    values = values[np.sort(last)]
+    return values[np.argsort(values[:, 0], kind="stable")]
+
+
+def _row_columns(f: h5py.File) -> list[str]:
+    """The per-row columns this log has (a log written before a FIXED_DTYPE field existed lacks it)."""
+    traj = f["traj"]
+    return [n for n in ROW_COLUMNS if n in traj]
+
+
+def _eval_rows(f: h5py.File) -> int:
+    if "eval" not in f:
+        return 0
+    return min(int(f["eval/committed"][0]), f["eval/values"].shape[0])
+
+
 def _extend(ds: h5py.Dataset, data: np.ndarray) -> None:
     n = ds.shape[0]
     ds.resize((n + len(data),))
@@ -296,7 +367,7 @@ def _consistent_rows(f: h5py.File) -> tuple[int, int, int]:
     """(rows every dataset agrees on, most rows any dataset holds, committed metric rows)."""
     traj = f["traj"]
     committed, metric_committed = (int(x) for x in f["progress"][:2])
-    extents = [traj[n].shape[0] for n in ROW_COLUMNS] + [traj[o].shape[0] - 1 for o in OFFSETS.values()]
+    extents = [traj[n].shape[0] for n in _row_columns(f)] + [traj[o].shape[0] - 1 for o in OFFSETS.values()]
     rows = min([committed] + extents)
     for length_field, offsets_name in OFFSETS.items():  # flat arrays must cover the rows' slices
         flat_len = min(traj[name].shape[0] for name, _, lf in RAGGED if lf == length_field)
@@ -309,8 +380,9 @@ def _consistent_rows(f: h5py.File) -> tuple[int, int, int]:
 def _reconcile(f: h5py.File, resume_step: int | None) -> dict:
     rows, most, metric_rows = _consistent_rows(f)
     traj = f["traj"]
+    eval_rows = _eval_rows(f)
     report = {"rows_kept": rows, "rows_dropped": most - rows, "metric_rows_dropped": f["metrics/values"].shape[0] - metric_rows,
-              "writer_killed": not bool(f["progress"][2])}
+              "eval_rows_dropped": f["eval/values"].shape[0] - eval_rows, "writer_killed": not bool(f["progress"][2])}
     if resume_step is not None:
         steps = traj["step"][:rows]
         later = np.flatnonzero(steps > resume_step)
@@ -320,8 +392,25 @@ def _reconcile(f: h5py.File, resume_step: int | None) -> dict:
         mstep = f["metrics/values"][:metric_rows, 0]
         mlater = np.flatnonzero(mstep > resume_step)
         metric_rows = int(mlater[0]) if len(mlater) else metric_rows
-    for name in ROW_COLUMNS:
+        # The eval of a version after resume_step is redone by the resumed run (dedupe would hide a
+        # duplicate, but a replayed eval should not count twice in the file either).
+        estep = f["eval/values"][:eval_rows, 0]
+        keep_eval = estep <= resume_step
+        report["eval_rows_after_resume_step"] = int((~keep_eval).sum())
+        if not keep_eval.all():
+            kept = f["eval/values"][:eval_rows][keep_eval]
+            eval_rows = len(kept)
+            if eval_rows:
+                f["eval/values"][:eval_rows] = kept
+    present = _row_columns(f)
+    for name in present:
         traj[name].resize((rows,))
+    added = [name for name in ROW_COLUMNS if name not in present]
+    for name in added:  # a FIXED_DTYPE field newer than the log: zeros for the rows written before it
+        traj.create_dataset(name, data=np.zeros(rows, _ROW_DTYPES[name]), maxshape=(None,), chunks=(ROW_CHUNK,),
+                            **_filters_like(traj["step"]))
+    if added:
+        report["columns_added"] = [f"/traj/{name}" for name in added]
     for length_field, offsets_name in OFFSETS.items():
         end = int(traj[offsets_name][rows])
         traj[offsets_name].resize((rows + 1,))
@@ -331,8 +420,14 @@ def _reconcile(f: h5py.File, resume_step: int | None) -> dict:
     values = f["metrics/values"]
     n_names = f["metrics/columns"].shape[0]
     values.resize((metric_rows, n_names))
+    f["eval/values"].resize((eval_rows, f["eval/columns"].shape[0]))
+    f["eval/committed"][0] = eval_rows
     f["progress"][:] = (rows, metric_rows, 0)
     return report
+
+
+def _filters_like(ds: h5py.Dataset) -> dict:
+    return {"compression": ds.compression, "compression_opts": ds.compression_opts, "shuffle": ds.shuffle}
 
 
 class TrajectoryReader:
@@ -363,6 +458,7 @@ class TrajectoryReader:
         for ds in self._datasets():
             ds.refresh()
         self.rows, most, self.metric_rows = _consistent_rows(self._f)
+        self.eval_rows = _eval_rows(self._f)
         self.cut_rows = most - self.rows  # rows written but not committed: in flight, or lost with a killed writer
         self.closed_cleanly = bool(self._f["progress"][2])
 
@@ -372,6 +468,9 @@ class TrajectoryReader:
             yield ds
         for ds in self._f["metrics"].values():
             yield ds
+        if "eval" in self._f:
+            for ds in self._f["eval"].values():
+                yield ds
 
     @property
     def n_tokens(self) -> int:
@@ -385,11 +484,21 @@ class TrajectoryReader:
         cut = f"; {self.cut_rows} uncommitted rows ignored" if self.cut_rows else ""
         return f"{self.rows} committed trajectories; not closed (still being written, or its writer was killed){cut}"
 
+    def has_column(self, name: str) -> bool:
+        """Whether the file stores column `name` (a log older than a FIXED_DTYPE field reads it as zeros)."""
+        return name in self._f["traj"]
+
+    def _read(self, name: str, lo: int, hi: int) -> np.ndarray:
+        traj = self._f["traj"]
+        if name in traj:
+            return traj[name][lo:hi]
+        return np.zeros(max(0, min(hi, self.rows) - lo), _ROW_DTYPES[name])
+
     def column(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         if name not in _ROW_DTYPES:
             raise KeyError(f"no trajectory column '{name}'; columns: {', '.join(ROW_COLUMNS)}")
         stop = self.rows if stop is None else min(stop, self.rows)
-        return self._f["traj"][name][start:stop]
+        return self._read(name, start, stop)
 
     def iter_chunks(self, rows: int = 65536, columns: list[str] | None = None, start: int = 0,
                     stop: int | None = None) -> Iterator[dict[str, np.ndarray]]:
@@ -398,7 +507,7 @@ class TrajectoryReader:
         stop = self.rows if stop is None else min(stop, self.rows)
         for lo in range(start, stop, rows):
             hi = min(lo + rows, stop)
-            chunk = {name: self._f["traj"][name][lo:hi] for name in names}
+            chunk = {name: self._read(name, lo, hi) for name in names}
             chunk["row"] = np.arange(lo, hi, dtype=np.int64)
             yield chunk
 
@@ -416,6 +525,8 @@ class TrajectoryReader:
         contiguous = len(idx) > 0 and bool(np.all(np.diff(idx) == 1))
         lo, hi = (int(idx[0]), int(idx[-1]) + 1) if len(idx) else (0, 0)
         for name in ROW_COLUMNS[:-2]:
+            if name not in traj:  # a log older than this field: left 0
+                continue
             fixed[name] = traj[name][lo:hi] if contiguous else np.array([traj[name][i] for i in idx], FIXED_DTYPE[name])
         parts = {}
         for name, dtype, length_field in RAGGED:
@@ -443,11 +554,27 @@ class TrajectoryReader:
         dedupe: a step logged twice (a resume that replayed it) keeps its last row; rows sorted by step."""
         names = self.metric_names()
         values = self._f["metrics/values"][: self.metric_rows, : len(names)]
-        if dedupe and len(values):
-            steps = values[:, 0]
-            last = len(steps) - 1 - np.unique(steps[::-1], return_index=True)[1]
-            values = values[np.sort(last)]
-            values = values[np.argsort(values[:, 0], kind="stable")]
+        if dedupe:
+            values = _dedupe_by_step(values)
+        return {name: values[:, i] for i, name in enumerate(names)}
+
+    def eval_names(self) -> list[str]:
+        """Columns of the eval table ([] for a log without one)."""
+        if "eval" not in self._f:
+            return []
+        names = [c.decode() for c in self._f["eval/columns"][:]]
+        return names[: self._f["eval/values"].shape[1]]
+
+    def eval_metrics(self, dedupe: bool = True) -> dict[str, np.ndarray]:
+        """The eval table as {column: float64 array}, one entry per eval (NaN where an eval did not report
+        a metric); {} when the log has no eval rows (or predates the eval table). dedupe: a step evaluated
+        twice keeps its last row; rows sorted by step."""
+        if not self.eval_rows:
+            return {}
+        names = self.eval_names()
+        values = self._f["eval/values"][: self.eval_rows, : len(names)]
+        if dedupe:
+            values = _dedupe_by_step(values)
         return {name: values[:, i] for i, name in enumerate(names)}
 
     def close(self) -> None:
@@ -466,6 +593,17 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
         table = reader.metrics()
     names = list(table)
     rows = np.column_stack([table[n] for n in names]) if names else np.zeros((0, 0))
+    return [{n: float(v) for n, v in zip(names, row) if not np.isnan(v)} for row in rows]
+
+
+def read_eval(path: str | Path) -> list[dict[str, float]]:
+    """The eval rows of a log as one dict per eval, in step order (unreported metrics left out; [] if none)."""
+    with TrajectoryReader(path) as reader:
+        table = reader.eval_metrics()
+    if not table:
+        return []
+    names = list(table)
+    rows = np.column_stack([table[n] for n in names])
     return [{n: float(v) for n, v in zip(names, row) if not np.isnan(v)} for row in rows]
 
 
