@@ -197,3 +197,25 @@ def test_dataset_task_needs_a_reward_and_eval_needs_held_out_prompts(tmp_path, m
                        extra="eval: {every_steps: 1}")
     done = cli("validate", cfg, cwd=tmp_path)
     assert done.returncode == 2 and "val_fraction" in done.stderr and "eval" in done.stderr
+
+
+@pytest.mark.slurm
+def test_dataset_task_with_eval_as_a_het_job(slurm_cluster, tmp_path, model_dir):
+    """The same dataset run as a heterogeneous job on the local Slurm cluster: 2 generator ranks on one node,
+    1 trainer; the eval prompts are shared over both generators and the curve lands in the log."""
+    pq.write_table(pa.Table.from_pylist(problems(24)), tmp_path / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(problems(7, seed=9)), tmp_path / "val.parquet")
+    cfg = write_config(tmp_path, "slurmds", model_dir, tmp_path / "train.parquet", steps=4,
+                       params=f"val: {tmp_path / 'val.parquet'}",
+                       extra="eval: {every_steps: 2, at_start: false}\ngenerator: {tasks_per_node: 2}")
+    done = cli("submit", cfg, "--set", "launcher=slurm", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    job_id = next(l for l in done.stdout.splitlines() if l.startswith("submitted job")).split()[-1]
+    state = slurm_cluster.wait_job(int(job_id), timeout=300)
+    run_dir = tmp_path / "runs" / "slurmds"
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob(f"slurm-{job_id}.*"))
+    assert state == "COMPLETED", logs[-3000:]
+    ev = analyze(run_dir)["eval"]
+    assert ev["step"] == [2, 4] and ev["prompts"] == [7.0, 7.0]  # 7 held-out prompts split 4 + 3 over the generators
+    rows = logged(run_dir)
+    assert len(rows) == len(set(rows)) == 4 * 4 * 4

@@ -48,6 +48,9 @@ def _load_weights_on_worker(worker, weights: list[tuple[str, Any]]) -> None:
 class VLLMGenerator(Generator):
     def __init__(self, model_cfg, tokenizer, task, sampling: SamplingParams, seed: int = 0,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.85, model=None) -> None:
+        # Weight updates call a function of ours in vLLM's workers (collective_rpc); recent vLLM only pickles a
+        # function across its own engine processes (all on this node, this rank's children) when this is set.
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         vllm = _import_vllm()
         self.tokenizer, self.task, self.sampling, self.seed = tokenizer, task, sampling, seed
         self._vllm = vllm
