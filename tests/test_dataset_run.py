@@ -101,10 +101,12 @@ def test_epoch_boundary_resumed_run_matches_an_uninterrupted_one(tmp_path, model
     weights of a run that was never interrupted."""
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in problems(10, seed=1)))
     (tmp_path / "a").mkdir()
-    straight = write_config(tmp_path / "a", "straight", model_dir, tmp_path / "train.jsonl", steps=7, params="shuffle: true")
+    (tmp_path / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in problems(5, seed=2)))
+    params, ev = f"val: {tmp_path / 'val.jsonl'}", "eval: {every_steps: 2, at_start: false}"
+    straight = write_config(tmp_path / "a", "straight", model_dir, tmp_path / "train.jsonl", steps=7, params=params, extra=ev)
     assert cli("submit", straight, cwd=tmp_path / "a").returncode == 0
     (tmp_path / "b").mkdir()
-    first = write_config(tmp_path / "b", "split", model_dir, tmp_path / "train.jsonl", steps=3, params="shuffle: true")
+    first = write_config(tmp_path / "b", "split", model_dir, tmp_path / "train.jsonl", steps=3, params=params, extra=ev)
     done = cli("submit", first, cwd=tmp_path / "b")
     assert done.returncode == 0, done.stderr[-2000:]
     run_dir = tmp_path / "b" / "runs" / "split"
@@ -119,6 +121,13 @@ def test_epoch_boundary_resumed_run_matches_an_uninterrupted_one(tmp_path, model
     epochs = Counter(stream.cursor(p)[0] for p in range(28))
     assert epochs == Counter({0: 10, 1: 10, 2: 8})  # two boundaries crossed, each row once per epoch
     assert weights_digest(run_dir) == weights_digest(tmp_path / "a" / "runs" / "straight")
+    # Eval at point p runs on policy version p, after the checkpoint of step p: a resume from step 3 drops the first
+    # allocation's eval of version 3 (the final point of a 3-step run, no point of the 7-step one) and evaluates 4, 6
+    # and the final 7. Greedy evals of the same weights agree with the uninterrupted run's.
+    split_eval, straight_eval = analyze(run_dir)["eval"], analyze(tmp_path / "a" / "runs" / "straight")["eval"]
+    assert split_eval["step"] == straight_eval["step"] == [2, 4, 6, 7]
+    for key in ("accuracy", "mean_reward", "response_len_mean"):
+        assert split_eval[key] == straight_eval[key]
 
 
 FAULTY_REWARD = """
