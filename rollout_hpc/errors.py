@@ -2,6 +2,15 @@
 
 `UserError` and its subclasses are printed as one paragraph without a traceback (exit 2); the
 message names the field or file and the fix. Anything else is a bug: a Python exception with a traceback.
+Each class subclasses UserError (or a subclass of it) only: no mixed bases such as (ConfigError, ValueError),
+so `except ValueError` never swallows a message meant for the user.
+
+Defined here, and importable from the module that raises them as well: PluginError (rollout_hpc.plugins),
+CheckpointError, CheckpointCorrupt, ConfigMismatch (rollout_hpc.store.checkpoint), TrajectoryLogError
+(rollout_hpc.store.trajlog), WorldError (rollout_hpc.runtime.world), EntryError (rollout_hpc.runtime.entry).
+Still defined beside their code (all UserError subclasses): TaskError (envs.registry), RewardFatal and
+RewardSpecError (rewards), TrainerError (backends.trainer), VLLMUnavailable (backends.generate_vllm),
+CriticError (runtime.critic).
 """
 
 from __future__ import annotations
@@ -25,3 +34,31 @@ class DatasetError(ConfigError):
 
 class RewardError(ConfigError):
     """A reward that cannot be used: an unknown built-in, a bad pattern, or a reward function returning a non-number."""
+
+
+class PluginError(ConfigError):
+    """User plugin problem; the message names the plugin and the fix (a config error: one line, no traceback)."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint problem the user can act on; the message says which file and what to do."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint whose content does not match its checksum, or that cannot be read at all."""
+
+
+class ConfigMismatch(CheckpointError):
+    """The checkpoint was written under a config whose model or algorithm differs."""
+
+
+class TrajectoryLogError(UserError):
+    """A file that is not a trajectory log this code reads, or a log that cannot be opened; says why."""
+
+
+class WorldError(UserError):
+    """The MPI world does not match the config (a user-fixable launch problem)."""
+
+
+class EntryError(UserError):
+    """The run directory or the program cannot be started (user-fixable)."""

@@ -16,11 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from rollout_hpc.config import ConfigError
-
-
-class PluginError(ConfigError):
-    """User plugin problem; the message names the plugin and the fix (a config error: one line, no traceback)."""
+from rollout_hpc.errors import PluginError
 
 
 def is_plugin_spec(text: str) -> bool:

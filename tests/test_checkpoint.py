@@ -36,7 +36,7 @@ from rollout_hpc.store.checkpoint import (
 from rollout_hpc.store.h5tree import StateTypeError
 from rollout_hpc.store.rng import capture_rng_state, restore_rng_state
 from rollout_hpc.store.synthetic import synthetic_batch
-from rollout_hpc.exchange.schema import TrajectoryBatch
+from rollout_hpc.trajectory import TrajectoryBatch
 
 
 def _trained_state(seed: int, dtype=torch.float32) -> dict:

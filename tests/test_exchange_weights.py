@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mpi_progs.launch import PROGS, mpirun, node_blocks, write_config
-from rollout_hpc.exchange.schema import TrajectoryBatch
+from rollout_hpc.trajectory import TrajectoryBatch
 from rollout_hpc.exchange.weights import check_staleness
 
 

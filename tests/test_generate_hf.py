@@ -16,7 +16,7 @@ from rollout_hpc.backends.generate_hf import (
 )
 from rollout_hpc.config import ModelSection, TaskSection
 from rollout_hpc.envs import Level, SokobanEnv, load_task
-from rollout_hpc.exchange.schema import TrajectoryBatch
+from rollout_hpc.trajectory import TrajectoryBatch
 from rollout_hpc.models import CharTokenizer, build_model, response_logprobs
 
 torch.set_num_threads(1)

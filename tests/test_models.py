@@ -116,3 +116,68 @@ def test_critic_values_per_token_and_trainable():
         loss.backward()
         opt.step()
     assert loss.item() < first.item()  # 0.5 * (0 - 1)^2 = 0.5 at the start, and falling
+
+
+def test_char_tokenizer_as_a_pretrained_fast_tokenizer_has_the_same_ids(tmp_path):
+    import random
+
+    from transformers import AutoTokenizer, LlamaConfig
+
+    from rollout_hpc.models.tokenizer import save_pretrained_tokenizer
+
+    tok = CharTokenizer()
+    fast = tok.to_pretrained_tokenizer(model_max_length=32)
+    assert len(fast) == tok.vocab_size == 99
+    assert (fast.pad_token_id, fast.bos_token_id, fast.eos_token_id) == (tok.pad_id, tok.bos_id, tok.eos_id)
+    rng = random.Random(0)
+    alphabet = CharTokenizer.CHARS + "  \n"
+    texts = ["", " ", "\n\n", "  a  b ", "3+4=7\n#@$.*+ U D L R"]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 60))) for _ in range(300)]
+    texts = [t for t in texts if "<s>" not in t and "</s>" not in t and "<pad>" not in t]
+    for text in texts:
+        ids = tok.encode(text)
+        assert fast.encode(text, add_special_tokens=False) == ids
+        assert fast.encode(text) == tok.encode_prompt(text)  # BOS for a single sequence
+        full = [tok.bos_id] + ids + [tok.eos_id, tok.pad_id]
+        assert fast.decode(full, skip_special_tokens=True) == tok.decode(full) == text
+        assert fast.decode(full, skip_special_tokens=False) == tok.decode(full, skip_special=False) == f"<s>{text}</s><pad>"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2? <s> not a marker"}]
+    assert fast.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == tok.render_chat(messages)
+    assert fast.encode(tok.render_chat(messages), add_special_tokens=False) == tok.encode_chat(messages)
+
+    # Saved beside a Llama config.json, AutoTokenizer must load this pipeline, not the Llama tokenizer
+    # (which would drop the spaces): tokenizer_config.json names PreTrainedTokenizerFast.
+    LlamaConfig(vocab_size=99, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2).save_pretrained(tmp_path)
+    save_pretrained_tokenizer(fast, tmp_path)
+    assert '"tokenizer_class": "PreTrainedTokenizerFast"' in (tmp_path / "tokenizer_config.json").read_text()
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert "Llama" not in type(loaded).__name__ and loaded.model_max_length == 32
+    for text in texts[:50] + ["<s>user: hi</s>"]:
+        assert loaded.decode(loaded.encode(text, add_special_tokens=False), skip_special_tokens=False) == text
+    assert loaded.chat_template == tok.chat_template
+
+
+def test_char_tokenizer_decode_types_and_errors():
+    import numpy as np
+
+    tok = CharTokenizer()
+    ids = tok.encode("12 + 3")
+    assert tok.decode(np.array(ids, np.int32)) == tok.decode(torch.tensor(ids)) == tok.decode(tuple(ids)) == "12 + 3"
+    assert tok.decode([]) == ""
+    with pytest.raises(IndexError, match="outside"):
+        tok.decode([5, tok.vocab_size])
+    assert tok.encode("<s>") == [tok.encode("<")[0], tok.encode("s")[0], tok.encode(">")[0]]  # encode is literal
+
+
+def test_bfloat16_model_keeps_rotary_buffers_in_float32_like_from_pretrained(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = build_model(TINY.model_copy(update={"dtype": "bfloat16"}), CharTokenizer().vocab_size, seed=1).eval()
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert {b.dtype for _, b in model.named_buffers()} == {torch.float32}
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    ids = torch.tensor([[1] + list(range(5, 30))])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout_hpc.exchange.schema import LAYOUT_VERSION, LayoutError, TrajectoryBatch, record_uid
+from rollout_hpc.trajectory import LAYOUT_VERSION, LayoutError, TrajectoryBatch, record_uid
 
 
 def _batch(n=3, seed=0):

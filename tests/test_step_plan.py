@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rollout_hpc.config import load_config
-from rollout_hpc.exchange.schema import TrajectoryBatch
+from rollout_hpc.trajectory import TrajectoryBatch
 from rollout_hpc.runtime.step_plan import StepPlan, informative_groups, rank_share
 
 

@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 import pytest
 
-from rollout_hpc.exchange.schema import TrajectoryBatch
+from rollout_hpc.trajectory import TrajectoryBatch
 from rollout_hpc.store.h5recover import consistency_flags
 from rollout_hpc.store.synthetic import synthetic_batch
 from rollout_hpc.store.trajlog import TrajectoryLog, TrajectoryLogError, TrajectoryReader, read_metrics

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout_hpc.exchange.schema import FIXED_DTYPE, TrajectoryBatch  # noqa: E402
+from rollout_hpc.trajectory import FIXED_DTYPE, TrajectoryBatch  # noqa: E402
 from rollout_hpc.store.atomic import fsync_file  # noqa: E402
 from rollout_hpc.store.checkpoint import read_checkpoint_file, save_checkpoint  # noqa: E402
 from rollout_hpc.store.trajlog import TrajectoryLog  # noqa: E402

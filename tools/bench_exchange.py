@@ -59,7 +59,7 @@ def make_records(seed: int = 0) -> list[dict]:
 def _exchange_part(args) -> dict:
     from rollout_hpc.config import load_config
     from rollout_hpc.exchange.forward import Exchange
-    from rollout_hpc.exchange.schema import TrajectoryBatch
+    from rollout_hpc.trajectory import TrajectoryBatch
     from rollout_hpc.runtime.world import init_world
     from mpi4py import MPI
 
@@ -170,7 +170,7 @@ def ray_bench(batches: int, rounds: int) -> dict:
         import ray
     except ImportError:
         return {"available": False, "why": "ray is not installed (pip install ray, ~80 MB wheel)"}
-    from rollout_hpc.exchange.schema import TrajectoryBatch
+    from rollout_hpc.trajectory import TrajectoryBatch
 
     packed = [np.frombuffer(TrajectoryBatch.from_records(make_records(s)).pack(), np.uint8) for s in range(POOL)]
     ray.init(num_cpus=2, object_store_memory=400 << 20, include_dashboard=False, log_to_driver=False,

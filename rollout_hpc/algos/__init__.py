@@ -1,21 +1,30 @@
-"""RL algorithms as pure functions over torch tensors (see docs/algorithms.md)."""
+"""RL algorithms as pure functions over torch tensors (see docs/algorithms.md).
 
-from .advantages import (
-    broadcast_to_tokens,
-    discounted_returns,
-    gae,
-    group_normalized,
-    last_token_rewards,
-    leave_one_out,
-    whiten,
-)
-from .dapo import DynamicSampling, dynamic_sampling_filter, groups_to_refill, overlong_penalty
-from .losses import aggregate, entropy_from_logits, kl_penalty, masked_mean, policy_loss, value_loss
-from .registry import ALGORITHMS, AlgorithmSpec, compute_advantages, get_algorithm, value_targets
+The table of algorithms (algos/table.py) imports without torch, so the config can read the names from it;
+everything else is loaded on first use (PEP 562), keeping `import rollout_hpc.algos.table` light.
+"""
 
-__all__ = [
-    "ALGORITHMS", "AlgorithmSpec", "DynamicSampling", "aggregate", "broadcast_to_tokens", "compute_advantages",
-    "discounted_returns", "dynamic_sampling_filter", "entropy_from_logits", "gae", "get_algorithm",
-    "group_normalized", "groups_to_refill", "kl_penalty", "last_token_rewards", "leave_one_out", "masked_mean",
-    "overlong_penalty", "policy_loss", "value_loss", "value_targets", "whiten",
-]
+from __future__ import annotations
+
+import importlib
+
+from .table import ALGORITHM_NAMES, ALGORITHMS, Algorithm
+
+_WHERE = {
+    **dict.fromkeys(["broadcast_to_tokens", "discounted_returns", "gae", "group_normalized", "last_token_rewards",
+                     "leave_one_out", "whiten"], "advantages"),
+    **dict.fromkeys(["DynamicSampling", "dynamic_sampling_filter", "groups_to_refill", "overlong_penalty"], "dapo"),
+    **dict.fromkeys(["aggregate", "entropy_from_logits", "kl_penalty", "masked_mean", "policy_loss", "value_loss"], "losses"),
+    **dict.fromkeys(["AlgorithmSpec", "ESTIMATORS", "compute_advantages", "get_algorithm", "value_targets"], "registry"),
+}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["ALGORITHMS", "ALGORITHM_NAMES", "Algorithm", *sorted(_WHERE)]

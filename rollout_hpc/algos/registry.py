@@ -1,39 +1,18 @@
-"""Which algorithm needs what, and one entry point for advantages."""
+"""Which algorithm needs what (the rows of algos/table.py), the advantage estimators by name, and one
+entry point for advantages."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from typing import Callable
 
 import torch
 
 from . import advantages as A
+from .table import ALGORITHMS, Algorithm
 
 
-@dataclass(frozen=True)
-class AlgorithmSpec:
-    name: str
-    needs_critic: bool  # a value head trained with value_loss (PPO)
-    kl_in: Literal["loss", "reward"]  # where algorithm.kl_coef applies; either way kl_coef > 0 needs a reference model
-    min_group_size: int  # smallest algorithm.group_size that gives a baseline
-    dynamic_sampling: bool  # drops all-equal-reward groups by default (DAPO); any algorithm may turn it on
-    recommended_agg: str
-    summary: str
+AlgorithmSpec = Algorithm  # the row type (algos/table.py); the old name stays importable
 
-    def needs_reference(self, kl_coef: float) -> bool:
-        return kl_coef > 0
-
-
-ALGORITHMS: dict[str, AlgorithmSpec] = {
-    "grpo": AlgorithmSpec("grpo", False, "loss", 2, False, "seq_mean", "group-normalised advantages, KL to reference in the loss"),
-    "dapo": AlgorithmSpec("dapo", False, "loss", 2, True, "token_mean",
-                          "GRPO advantages + clip-higher, dynamic sampling, token-level loss, overlong shaping"),
-    "ppo": AlgorithmSpec("ppo", True, "reward", 1, False, "token_mean", "critic + GAE, KL penalty in the token rewards"),
-    "rloo": AlgorithmSpec("rloo", False, "reward", 2, False, "token_mean",
-                          "leave-one-out baseline, sequence KL subtracted from the reward"),
-    "reinforce_pp": AlgorithmSpec("reinforce_pp", False, "reward", 1, False, "token_mean",
-                                  "token-level KL in the reward, discounted returns normalised over the global batch"),
-}
 
 # Every keyword compute_advantages understands; an algorithm uses the ones it needs, so a
 # loop may pass the same set for any algorithm. Anything else is a typo and an error.
@@ -71,20 +50,36 @@ def compute_advantages(name: str, rewards: torch.Tensor, group_size: int, mask: 
         kl_coef=params.get("kl_coef", 0.0), kl_estimator=params.get("kl_estimator", "k3"),
     )
 
-    if name in ("grpo", "dapo"):
-        seq = A.group_normalized(rewards, group_size, eps, params.get("scale_by_std", True))
-        return A.broadcast_to_tokens(seq, mask)
-    if name == "rloo":
-        # Sequence-level KL: the per-token KL penalties summed along the response.
-        token_r = A.token_kl_rewards(rewards, mask, **kl)
-        return A.broadcast_to_tokens(A.leave_one_out(token_r.sum(dim=-1), group_size), mask)
-    if name == "reinforce_pp":
-        returns = A.discounted_returns(A.token_kl_rewards(rewards, mask, **kl), mask, gamma)
-        return A.whiten(returns, mask, eps)
-    if name == "ppo":
-        adv, _ = _ppo_gae(rewards, mask, params, kl)
-        return A.whiten(adv, mask, eps) if params.get("normalize", True) else adv
-    raise AssertionError(name)  # every ALGORITHMS entry is handled above
+    return ESTIMATORS[spec.advantage](rewards, group_size, mask, params, kl, eps, gamma)
+
+
+# Advantage estimators by name (a row's `advantage`): (rewards [B], G, mask, params, kl, eps, gamma) -> [B, T].
+def _group_normalized(rewards, group_size, mask, params, kl, eps, gamma):
+    return A.broadcast_to_tokens(A.group_normalized(rewards, group_size, eps, params.get("scale_by_std", True)), mask)
+
+
+def _leave_one_out(rewards, group_size, mask, params, kl, eps, gamma):
+    # Sequence-level KL: the per-token KL penalties summed along the response.
+    token_r = A.token_kl_rewards(rewards, mask, **kl)
+    return A.broadcast_to_tokens(A.leave_one_out(token_r.sum(dim=-1), group_size), mask)
+
+
+def _reinforce_pp(rewards, group_size, mask, params, kl, eps, gamma):
+    return A.whiten(A.discounted_returns(A.token_kl_rewards(rewards, mask, **kl), mask, gamma), mask, eps)
+
+
+def _gae(rewards, group_size, mask, params, kl, eps, gamma):
+    adv, _ = _ppo_gae(rewards, mask, params, kl)
+    return A.whiten(adv, mask, eps) if params.get("normalize", True) else adv
+
+
+ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
+    "group_normalized": _group_normalized,
+    "leave_one_out": _leave_one_out,
+    "reinforce_pp": _reinforce_pp,
+    "gae": _gae,
+}
+assert all(row.advantage in ESTIMATORS for row in ALGORITHMS.values())
 
 
 def value_targets(rewards: torch.Tensor, mask: torch.Tensor, **params) -> torch.Tensor:

@@ -15,7 +15,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from rollout_hpc.config import UserError
-from rollout_hpc.exchange.schema import RAGGED
+from rollout_hpc.trajectory import RAGGED
 from rollout_hpc.store.trajlog import ROW_COLUMNS, TrajectoryReader
 
 RAGGED_NAMES = [name for name, _, _ in RAGGED]

@@ -20,6 +20,7 @@ def load_decoder(run_dir: str | Path) -> Decode | None:
     if run_dir.suffix == ".h5":
         run_dir = run_dir.parent
     try:
+        # In here: the models package imports torch and transformers, needed only to decode.
         from rollout_hpc.models.tokenizer import load_tokenizer_for_run
 
         tokenizer = load_tokenizer_for_run(run_dir)

@@ -17,7 +17,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from rollout_hpc.exchange.schema import REWARD_OK, REWARD_TIMEOUT
+from rollout_hpc.trajectory import REWARD_OK, REWARD_TIMEOUT
 from rollout_hpc.store.trajlog import TrajectoryReader, read_meta
 
 CHUNK_ROWS = 1 << 16

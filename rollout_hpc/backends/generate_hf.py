@@ -25,7 +25,7 @@ import torch
 
 from rollout_hpc.envs.base import dataset_item, is_multi_turn, prompt_text
 from rollout_hpc.envs.registry import TaskError
-from rollout_hpc.exchange.schema import TrajectoryBatch
+from rollout_hpc.trajectory import TrajectoryBatch
 from rollout_hpc.models.logprobs import left_pad, position_ids_from_mask
 from rollout_hpc.models.prompting import encode_prompt_item
 

@@ -29,7 +29,7 @@ from rollout_hpc.backends.trainer import (
     Trainer,
     TrainerError,
     init_torch_distributed,
-    model_logits,
+    make_optimizer,
 )
 from rollout_hpc.store.rng import capture_rng_state, restore_rng_state
 
@@ -42,7 +42,8 @@ def deepspeed_config(cfg) -> dict:
         # gather small tiny-model layers eagerly; keeps CPU runs from thrashing on many tiny all-gathers
         zero.update({"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0})
     conf = {
-        # we call forward/backward/step ourselves, one micro-batch per step
+        # we call forward/backward/step ourselves; micro-batches set the accumulation boundary explicitly
+        # (Trainer.optimize: engine.set_gradient_accumulation_boundary), so DeepSpeed never rescales the loss
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": a.max_grad_norm,
@@ -90,21 +91,42 @@ class DeepSpeedTrainer(Trainer):
         self.stage = cfg.trainer.zero_stage
         a = cfg.algorithm
         model = model.to(self.device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.99), weight_decay=0.0)
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg))
-        self.module = self.engine.module
+        optimizer = make_optimizer(model.parameters(), a)
+        scoring = self._prepare_model(model)  # the engine's forward gives logits, values or chunked log-probs
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=scoring, optimizer=optimizer, config=deepspeed_config(cfg))
+        self.module = self.engine.module.model  # parameter names are the model's own
+
+    supports_accumulation = True
 
     def _forward_logits(self, input_ids, attention_mask):
-        return model_logits(self.engine, input_ids, attention_mask)
+        return self.engine(input_ids, attention_mask)
+
+    def _forward_scores(self, input_ids, attention_mask, positions=None):
+        return self.engine(input_ids, attention_mask, positions, scores=True)
 
     def _set_train(self, mode: bool) -> None:
         self.engine.train(mode)
 
-    def _backward_and_step(self, loss: torch.Tensor) -> float:
+    def _zero_grad(self) -> None:
+        pass  # engine.step() zeroes the gradients after each update
+
+    def _micro_batch_context(self, last: bool):
+        # Set before each forward/backward: ZeRO reduces (stage 2/3 partitions) per backward and steps only
+        # at the boundary; gradient_accumulation_steps stays 1 so engine.backward never rescales the loss.
+        self.engine.set_gradient_accumulation_boundary(last)
+        return super()._micro_batch_context(last)
+
+    def _backward(self, loss: torch.Tensor, last: bool) -> None:
         self.engine.backward(loss)
+
+    def _step(self) -> float:
+        self.engine.set_gradient_accumulation_boundary(True)
         self.engine.step()  # clips to gradient_clipping, steps, zeroes grads
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
+
+    def _param_groups(self) -> list[dict]:
+        return self._base_optimizer().param_groups
 
     def _gathered(self, modifier_rank=None):
         """Context in which every parameter is whole (a no-op below ZeRO-3)."""
@@ -147,6 +169,7 @@ class DeepSpeedTrainer(Trainer):
             "n_ranks": self.world.group_size,
             "rng": capture_rng_state(),
             "steps_done": self.steps_done,
+            "lr_schedule": self.lr_schedule_state(),
         }
         if self.world.group_rank == 0:
             state["weights"] = weights

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rollout_hpc.backends.trainer import Trainer, TrainerError, init_torch_distributed
+from rollout_hpc.backends.trainer import Trainer, TrainerError, init_torch_distributed, make_optimizer
 from rollout_hpc.store.rng import capture_rng_state, restore_rng_state
 
 NEEDS = "trainer.backend 'megatron' needs megatron-core and CUDA GPUs; use torch or deepspeed on CPUs"
@@ -172,7 +172,7 @@ class MegatronTrainer(Trainer):
 
             self.engine = DistributedDataParallel(self.module, device_ids=[self.device.index], process_group=self.dp_group)
         a = cfg.algorithm
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=a.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        self.optimizer = make_optimizer(self.module.parameters(), a)  # LR set per step from algorithm.lr_schedule
 
     def _forward_logits(self, input_ids, attention_mask):
         T = input_ids.shape[1]

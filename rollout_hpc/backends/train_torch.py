@@ -2,11 +2,13 @@
 
 gloo on CPUs, NCCL on GPUs. With one trainer rank the model is not wrapped in
 DDP (nothing to all-reduce), but torch.distributed is still started so the
-code path is the same at every scale.
+code path is the same at every scale. Micro-batches accumulate gradients under
+DDP's no_sync(); the last one's backward all-reduces the sum.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -16,7 +18,7 @@ import torch
 from rollout_hpc.backends.trainer import (
     Trainer,
     init_torch_distributed,
-    model_logits,
+    make_optimizer,
 )
 from rollout_hpc.store.rng import capture_rng_state, restore_rng_state
 
@@ -28,23 +30,36 @@ class TorchTrainer(Trainer):
             torch.cuda.set_device(self.device)
         init_torch_distributed(world, "nccl" if self.device.type == "cuda" else "gloo")
         self.module = model.to(self.device)
-        self.engine = self.module
+        self.engine = self._prepare_model(self.module)  # ScoringModel: chunked log-probs inside the engine's forward
         if world.group_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 
-            self.engine = DistributedDataParallel(self.module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        a = cfg.algorithm
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=a.lr, betas=(0.9, 0.99), weight_decay=0.0)
+            self.engine = DistributedDataParallel(self.engine, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self.optimizer = make_optimizer(self.module.parameters(), cfg.algorithm)
+
+    supports_accumulation = True
 
     def _forward_logits(self, input_ids, attention_mask):
-        return model_logits(self.engine, input_ids, attention_mask)
+        return self.engine(input_ids, attention_mask)
+
+    def _forward_scores(self, input_ids, attention_mask, positions=None):
+        return self.engine(input_ids, attention_mask, positions, scores=True)
 
     def _set_train(self, mode: bool) -> None:
         self.engine.train(mode)
 
-    def _backward_and_step(self, loss: torch.Tensor) -> float:
+    def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _micro_batch_context(self, last: bool):
+        # DDP all-reduces in the backward of the last micro-batch only; no_sync must cover the forward too.
+        sync = last or not isinstance(self.engine, torch.nn.parallel.DistributedDataParallel)
+        return contextlib.nullcontext() if sync else self.engine.no_sync()
+
+    def _backward(self, loss: torch.Tensor, last: bool) -> None:
         loss.backward()
+
+    def _step(self) -> float:
         norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.algorithm.max_grad_norm)
         self.optimizer.step()
         return float(norm)
@@ -64,6 +79,7 @@ class TorchTrainer(Trainer):
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),  # a snapshot, not live tensors
             "rng": capture_rng_state(),
             "steps_done": self.steps_done,
+            "lr_schedule": self.lr_schedule_state(),
         }
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:

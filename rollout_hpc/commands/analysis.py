@@ -3,6 +3,9 @@
 Every command takes RUN_DIR (or the path of a trajectories.h5), works on a log
 that is still being written (SWMR) and on a killed job's log (it reads what was
 committed and says what was cut).
+
+The analysis modules are imported inside each command: they pull h5py, matplotlib and pyarrow, and cli.py
+imports every command module at start (`rollout-hpc --help` must stay fast).
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ def _clean(value):
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
-    from rollout_hpc.analysis.summary import summarize
+    from rollout_hpc.analysis.summary import summarize  # in here: h5py; the CLI imports every command at start
 
     summary = summarize(args.run_dir)
     if args.json:
@@ -106,7 +109,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from rollout_hpc.analysis.figures import write_run_figures
+    from rollout_hpc.analysis.figures import write_run_figures  # in here: matplotlib, h5py (slow to import)
     from rollout_hpc.analysis.summary import analyze_run
     from rollout_hpc.store.trajlog import log_path
 
@@ -117,7 +120,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_samples(args: argparse.Namespace) -> int:
-    from rollout_hpc.analysis.samples import last_step, load_decoder, load_samples, render_sample, select_rows
+    from rollout_hpc.analysis.samples import last_step, load_decoder, load_samples, render_sample, select_rows  # h5py
     from rollout_hpc.store.trajlog import TrajectoryReader, log_path
 
     mode, k = next(((m, getattr(args, m)) for m in ("best", "worst", "random") if getattr(args, m)), ("best", 3))
@@ -137,7 +140,7 @@ def cmd_samples(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from rollout_hpc.analysis.export import export_run
+    from rollout_hpc.analysis.export import export_run  # in here: h5py, pyarrow (slow to import)
 
     columns = [c for part in args.columns for c in part.split(",") if c] if args.columns else None
     for table, (path, rows) in export_run(args.run_dir, args.format, args.out, columns).items():
@@ -146,7 +149,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from rollout_hpc.analysis.figures import compare_figure, save_figure
+    from rollout_hpc.analysis.figures import compare_figure, save_figure  # in here: matplotlib, h5py (slow to import)
     from rollout_hpc.analysis.summary import analyze_run
 
     runs = {}
@@ -164,7 +167,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from rollout_hpc.analysis.report import write_report
+    from rollout_hpc.analysis.report import write_report  # in here: matplotlib, h5py (slow to import)
 
     out.print(str(write_report(args.run_dir, args.out)))
     return 0

@@ -10,6 +10,7 @@ from rollout_hpc.config import UserError
 
 
 def cmd_ckpt(args: argparse.Namespace) -> int:
+    # In here (and below): store.checkpoint imports torch (seconds), and the CLI imports every command at start.
     from rollout_hpc.store.checkpoint import checkpoint_dir, list_checkpoints, load_latest_valid, weights_digest
 
     found = load_latest_valid(args.run_dir, shard=0 if _newest_sharded(args.run_dir) else None)
@@ -38,7 +39,7 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
 
 
 def _newest_sharded(run_dir) -> bool:
-    from rollout_hpc.store.checkpoint import list_checkpoints
+    from rollout_hpc.store.checkpoint import list_checkpoints  # imports torch: see cmd_ckpt
 
     found = list_checkpoints(run_dir)
     return bool(found) and found[-1].sharded

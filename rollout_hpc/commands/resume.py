@@ -8,13 +8,12 @@ import shlex
 
 from rollout_hpc.commands import err, out
 from rollout_hpc.launch import rundir
+from rollout_hpc.launch.local import record_mpirun_command, require_mpirun, run_local
 from rollout_hpc.launch.resume import FORCE_ENV, ResumePlan, apply_plan, plan_resume
+from rollout_hpc.launch.submit import resolve_launcher, sbatch
 
 
 def run(args: argparse.Namespace) -> int:
-    from rollout_hpc.launch.local import record_mpirun_command, require_mpirun, run_local
-    from rollout_hpc.launch.submit import resolve_launcher, sbatch
-
     plan = plan_resume(args.run_dir, args.overrides, force=args.force, dry_run=args.dry_run)
     launcher = resolve_launcher(plan.cfg, force_local=args.local)
     if launcher == "local":

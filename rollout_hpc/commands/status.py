@@ -4,28 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 from rich.table import Table
 
 from rollout_hpc.commands import out
 from rollout_hpc.launch import rundir
-from rollout_hpc.launch.status import job_states
-
-
-def local_state(record: dict) -> str:
-    if record.get("exit_code") is not None:
-        return f"ENDED (exit {record['exit_code']})"
-    if record.get("host") != os.uname().nodename:
-        return f"RUNNING? (on {record.get('host')})"
-    try:
-        os.kill(record["pid"], 0)
-    except ProcessLookupError:
-        return "LOST (the launcher died without recording an exit code)"
-    except PermissionError:
-        pass
-    return "RUNNING"
+from rollout_hpc.launch.status import job_states, local_state
 
 
 def run(args: argparse.Namespace) -> int:

@@ -54,7 +54,7 @@ import time
 
 import numpy as np
 
-from rollout_hpc.exchange.schema import LayoutError, TrajectoryBatch
+from rollout_hpc.trajectory import LayoutError, TrajectoryBatch
 
 TAG_DATA, TAG_ACK, TAG_END, TAG_ABORT = 31, 32, 33, 34
 _POISON = b"RHERR"  # a ring record that carries a fatal error to every trainer rank of the node
@@ -74,7 +74,7 @@ class ExchangeError(RuntimeError):
 
 def _ring_module():
     try:
-        from rollout_hpc.exchange import ring
+        from rollout_hpc.exchange import ring  # in here: a missing Rust extension becomes a clear ExchangeError
     except ModuleNotFoundError as exc:  # the ring ships with the Rust extension
         raise ExchangeError(f"the node ring is not available ({exc}); rebuild the rollout_hpc._ring extension") from None
     return ring

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rollout_hpc.exchange.schema import TrajectoryBatch
+from rollout_hpc.trajectory import TrajectoryBatch
 
 _TAG_HEADER = 21
 _MAX_MPI_COUNT = (1 << 31) - 1

@@ -1,7 +1,7 @@
 """Launching a run: sbatch rendering, Slurm submission, the local mpirun launcher, run directories.
 
-EXIT_CONTINUE is the job step's exit code for "checkpointed before the time limit; continue in a
-new allocation": the batch script (slurm/rollout.sbatch) requeues the job when it sees it.
+The exit codes the batch script reads (EXIT_CONTINUE: "checkpointed before the time limit; continue in a
+new allocation") are defined in rollout_hpc.rundir_layout, below every layer that uses them.
 """
 
-EXIT_CONTINUE = 75  # EX_TEMPFAIL from sysexits.h: a temporary failure, try again
+from rollout_hpc.rundir_layout import EXIT_CONTINUE  # noqa: F401  (re-exported: the launcher's callers use it)

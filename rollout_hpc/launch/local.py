@@ -16,8 +16,9 @@ from pathlib import Path
 from rich.console import Console
 
 from rollout_hpc.config import Config
-from rollout_hpc.launch import EXIT_CONTINUE, rundir
+from rollout_hpc.launch import rundir
 from rollout_hpc.launch.executables import require_executable
+from rollout_hpc.rundir_layout import EXIT_CONTINUE
 
 # Signals the foreground process passes on to mpirun; mpirun forwards USR1/USR2 to every rank
 # and ends the job on INT/TERM.

@@ -12,6 +12,7 @@ import re
 import shlex
 import sys
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
 import jinja2
@@ -21,12 +22,18 @@ from rollout_hpc.config import Config, GroupSection, UserError
 
 BASE_TEMPLATE = "rollout.sbatch"
 CONFIG_TEMPLATE = "directives.j2"
+PACKAGED_TEMPLATES = "slurm_templates"  # package data (pyproject.toml [tool.maturin] include)
 
 
 def template_dir() -> Path:
-    """slurm/ of this checkout, or $ROLLOUT_TEMPLATES for an installation elsewhere."""
+    """$ROLLOUT_TEMPLATES if set; else the templates shipped in the package (rollout_hpc/slurm_templates: in a
+    checkout a link to its top-level slurm/, in a wheel a copy); else slurm/ of the checkout this module is in."""
     override = os.environ.get("ROLLOUT_TEMPLATES")
-    path = Path(override) if override else Path(__file__).resolve().parents[2] / "slurm"
+    if override:
+        path = Path(override)
+    else:
+        shipped = Path(str(resources.files("rollout_hpc") / PACKAGED_TEMPLATES))
+        path = shipped if (shipped / BASE_TEMPLATE).is_file() else Path(__file__).resolve().parents[2] / "slurm"
     if not (path / BASE_TEMPLATE).is_file():
         raise UserError(
             f"the job script template {path / BASE_TEMPLATE} is missing; "

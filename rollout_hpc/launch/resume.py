@@ -22,6 +22,8 @@ import yaml
 
 from rollout_hpc.config import Config, UserError, load_config
 from rollout_hpc.launch import rundir
+from rollout_hpc.launch.render import render_script
+from rollout_hpc.launch.status import ENDED, job_states, local_state
 
 FORCE_ENV = "ROLLOUT_RESUME_FORCE"
 DAMAGED_SUFFIX = ".damaged"
@@ -41,14 +43,11 @@ class ResumePlan:
 
     @property
     def finished(self) -> bool:
-        return self.step >= self.cfg.algorithm.steps
+        return self.step >= self.cfg.total_steps
 
 
 def live_jobs(run_dir: Path, manifest: dict) -> list[str]:
     """Jobs and local runs of the run that have not ended, as 'job 123 (RUNNING)' / 'local run pid 4 (RUNNING)'."""
-    from rollout_hpc.commands.status import local_state
-    from rollout_hpc.launch.status import ENDED, job_states
-
     live = []
     for job_id in manifest.get("job_ids", []):
         states = {c.state for c in job_states(job_id)}
@@ -65,6 +64,7 @@ def newest_valid_checkpoint(run_dir: Path, move_aside: bool = True) -> tuple[obj
     """(CheckpointInfo, meta, damaged lines) of the newest checkpoint that verifies; damaged newer ones are moved aside.
 
     A sharded checkpoint is verified through shard 0 (every shard's checksum attribute is checked too)."""
+    # In here: store.checkpoint imports torch (seconds), and every CLI command imports this module.
     from rollout_hpc.store.checkpoint import CheckpointCorrupt, checkpoint_dir, list_checkpoints, load_checkpoint
 
     damaged = []
@@ -87,7 +87,7 @@ def newest_valid_checkpoint(run_dir: Path, move_aside: bool = True) -> tuple[obj
 
 
 def plan_resume(run_dir: Path, overrides: list[str], force: bool = False, dry_run: bool = False) -> ResumePlan:
-    from rollout_hpc.store.checkpoint import check_compatible
+    from rollout_hpc.store.checkpoint import check_compatible  # in here: imports torch; the CLI must start fast
 
     run_dir = Path(os.path.abspath(run_dir))
     manifest = rundir.read_manifest(run_dir)  # UserError: not a run directory
@@ -118,8 +118,6 @@ def plan_resume(run_dir: Path, overrides: list[str], force: bool = False, dry_ru
 
 def apply_plan(plan: ResumePlan, launcher: str) -> None:
     """Write what the new allocation reads: the resolved config (with the overrides) and, for Slurm, its job script."""
-    from rollout_hpc.launch.render import render_script
-
     path = plan.run_dir / rundir.RESOLVED_CONFIG
     text = yaml.safe_dump(plan.cfg.resolved(), sort_keys=False)
     if plan.overrides:

@@ -1,4 +1,4 @@
-"""The run directory: what a run is, on disk, before any rank starts.
+"""The run directory: what a run is, on disk, before any rank starts (the names: rollout_hpc.rundir_layout).
 
     RUN_DIR/
       config.yaml            the user's file, byte for byte (a snapshot: the original may change)
@@ -30,13 +30,8 @@ import yaml
 from rollout_hpc import __version__
 from rollout_hpc.config import Config, UserError
 from rollout_hpc.envs.registry import check_task
+from rollout_hpc.rundir_layout import CONFIG_SNAPSHOT, DATA, JOB_SCRIPT, LOGS, MANIFEST, RESOLVED_CONFIG
 
-MANIFEST = "manifest.json"
-RESOLVED_CONFIG = "config.resolved.yaml"
-CONFIG_SNAPSHOT = "config.yaml"
-JOB_SCRIPT = "job.sbatch"
-LOGS = "logs"
-DATA = "data"
 
 
 def now_utc() -> str:

@@ -1,4 +1,4 @@
-"""Where a run's Slurm jobs stand: state of each het component, nodes, restart count.
+"""Where a run's jobs stand: state of each Slurm het component (nodes, restart count), or of a local run.
 
 `scontrol show job` is asked first: it answers without accounting (slurmdbd) and knows the restart
 count, but only while slurmctld still holds the job (MinJobAge, 5 minutes by default, after it
@@ -7,6 +7,7 @@ ends). After that, `sacct` answers where accounting is enabled.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -85,3 +86,18 @@ def job_states(job_id: str) -> list[ComponentState]:
     return _from_scontrol(job_id) or _from_sacct(job_id) or [
         ComponentState(job_id, "-", "UNKNOWN", "", "?", "no longer known to slurmctld, and sacct has no record", "none")
     ]
+
+
+def local_state(record: dict) -> str:
+    """A local (mpirun) run from its manifest record: ENDED (exit N), RUNNING, RUNNING? (another host), or LOST."""
+    if record.get("exit_code") is not None:
+        return f"ENDED (exit {record['exit_code']})"
+    if record.get("host") != os.uname().nodename:
+        return f"RUNNING? (on {record.get('host')})"
+    try:
+        os.kill(record["pid"], 0)
+    except ProcessLookupError:
+        return "LOST (the launcher died without recording an exit code)"
+    except PermissionError:
+        pass
+    return "RUNNING"

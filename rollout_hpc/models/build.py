@@ -45,8 +45,22 @@ def build_model(model_cfg, vocab_size: int, seed: int = 0) -> torch.nn.Module:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = LlamaForCausalLM(config)
-        return model.to(dtype)
+        return to_dtype(model, dtype)
     return _load_pretrained(Path(model_cfg.path), dtype, vocab_size)
+
+
+def to_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`model.to(dtype)` as transformers' from_pretrained(dtype=...) leaves it: parameters and saved buffers in
+    `dtype`, buffers that are not saved (the rotary inv_freq) in float32. Then the built-in model computes what its
+    exported directory computes in transformers (and vLLM); a bfloat16 inv_freq shifts bf16 logits from position ~5 on."""
+    saved = set(model.state_dict())
+    keep = {name: buf for name, buf in model.named_buffers() if name not in saved and buf.is_floating_point()}
+    model = model.to(dtype)
+    for name, buf in keep.items():
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        module._buffers[attr] = buf.to(torch.float32)
+    return model
 
 
 def _load_pretrained(path: Path, dtype: torch.dtype, vocab_size: int) -> torch.nn.Module:

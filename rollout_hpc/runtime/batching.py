@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from rollout_hpc import algos
-from rollout_hpc.exchange.schema import TrajectoryBatch
+from rollout_hpc.trajectory import TrajectoryBatch
 from rollout_hpc.runtime import step_plan
 
 
@@ -93,10 +93,9 @@ def add_advantages(cfg, tensors: dict, ref_logprobs: torch.Tensor | None, values
     params = {}
     if spec.kl_in == "reward" and a.kl_coef > 0:
         params.update(logprobs=tensors["old_logprobs"], ref_logprobs=ref_logprobs, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator)
-    if a.name in ("ppo", "reinforce_pp"):
-        params.update(gamma=a.gamma)
-    if a.name == "ppo":
-        params.update(lam=a.lam, values=values)
+    params.update(gamma=a.gamma, lam=a.lam)  # estimators take what they use (algos.compute_advantages)
+    if spec.needs_critic:
+        params.update(values=values)
     tensors["advantages"] = algos.compute_advantages(a.name, rewards, a.group_size, tensors["mask"], **params)
     if spec.needs_critic:
         tensors["old_values"] = values
@@ -137,6 +136,50 @@ def make_loss_fn(cfg):
         return loss, stats
 
     return loss_fn
+
+
+def train_updates(cfg, trainer, critic, mine: dict, loss_fn) -> dict[str, float]:
+    """algorithm.epochs passes over this rank's share, each split into algorithm.mini_batches contiguous
+    mini-batches, one optimizer update each (policy, then the critic on the same rows). The ratio is always
+    against the behaviour log-probs (old_logprobs), as in PPO. Returns the updates' metrics: means (times
+    summed, the last lr), plus `updates`. Default 1 x 1: one train_step on the whole share, as before.
+
+    Every rank runs the same number of updates (mini-batches of a too-small share are empty, weight 0)."""
+    a = cfg.algorithm
+    if a.mini_batches == 1 and a.epochs == 1:
+        stats = trainer.train_step(mine, loss_fn, agg=a.loss_agg)
+        if critic:
+            stats.update(critic.train_step(mine))
+        return stats
+    rows = np.arange(int(mine["input_ids"].shape[0]))
+    history: list[dict[str, float]] = []
+    for _ in range(a.epochs):
+        for part in np.array_split(rows, a.mini_batches):
+            mb = select_rows(mine, part) if len(part) else _empty_like(mine)
+            stats = trainer.train_step(mb, loss_fn, agg=a.loss_agg)
+            if critic:
+                stats.update(critic.train_step(mb))
+            history.append(stats)
+    out: dict[str, float] = {}
+    for key in history[0]:
+        values = [h[key] for h in history if key in h]
+        if key.endswith("_time"):
+            out[key] = float(sum(values))
+        elif key in ("lr", "critic_lr"):
+            out[key] = float(values[-1])
+        elif key.endswith("_max"):
+            out[key] = float(max(values))
+        else:
+            out[key] = float(np.mean(values))
+    out["updates"] = float(len(history))
+    return out
+
+
+def _empty_like(tensors: dict) -> dict:
+    """Row 0 with a zero loss mask: an update that changes nothing but keeps the ranks' collectives in step."""
+    out = select_rows(tensors, np.zeros(1, np.int64))
+    out["mask"] = torch.zeros_like(out["mask"])
+    return out
 
 
 def trainable_groups(mask: torch.Tensor, group_size: int) -> np.ndarray:

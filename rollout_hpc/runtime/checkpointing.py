@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from rollout_hpc.config import ConfigError
-from rollout_hpc.launch import EXIT_CONTINUE
+from rollout_hpc.rundir_layout import EXIT_CONTINUE
 from rollout_hpc.store import checkpoint as store
 
 # Stopped on a signal after checkpointing: "continue in a new allocation" (the batch script requeues).
@@ -59,7 +59,7 @@ class Checkpointer:
         c = self.cfg.checkpoint
         periodic = c.every_steps > 0 and steps_done % c.every_steps == 0
         timed = c.every_minutes > 0 and time.monotonic() - self._last_save >= 60 * c.every_minutes
-        final = steps_done == self.cfg.algorithm.steps
+        final = steps_done == self.cfg.total_steps
         flags = np.array([_stop.is_set(), periodic or timed or final], np.int8)
         flags = self.world.group_comm.allreduce(flags)  # any rank signalled -> all stop together
         self.stop_requested = bool(flags[0])

@@ -46,7 +46,7 @@ class Critic:
             v = _state_before_token(after_token)
             return algos.value_loss(v, b["old_values"], b["returns"], b["mask"], self.clip, self.agg)
 
-        stats = self.trainer.optimize(batch, loss)
+        stats = self.trainer.optimize(batch, loss, agg=self.agg, mask_key="mask")
         return {f"critic_{k}": v for k, v in stats.items()}
 
     def state_dict_for_checkpoint(self) -> dict:

@@ -18,16 +18,12 @@ import sys
 import traceback
 from pathlib import Path
 
-from rollout_hpc.config import UserError, load_config
+from rollout_hpc.config import load_config
+from rollout_hpc.errors import EntryError, UserError
 from rollout_hpc.exchange.forward import ExchangeError
-from rollout_hpc.exchange.schema import LayoutError
+from rollout_hpc.rundir_layout import EXIT_USER_ERROR, RESOLVED_CONFIG
 from rollout_hpc.runtime.world import WorldError, init_world
-
-EXIT_USER_ERROR = 2
-
-
-class EntryError(RuntimeError):
-    """The run directory or the program cannot be started (user-fixable)."""
+from rollout_hpc.trajectory import LayoutError
 
 
 def _launch_rank() -> int:
@@ -40,11 +36,11 @@ def _launch_rank() -> int:
 
 def _load_program(name: str):
     if name == "hello":
-        from rollout_hpc.runtime import hello
+        from rollout_hpc.runtime import hello  # in here: a program's imports load only when it runs
 
         return hello.main
     try:
-        from rollout_hpc.runtime import loop
+        from rollout_hpc.runtime import loop  # in here: torch, transformers; "hello" must not need them
     except ModuleNotFoundError as exc:
         if exc.name != "rollout_hpc.runtime.loop":
             raise
@@ -56,7 +52,7 @@ def _load_program(name: str):
 
 
 def run(run_dir: Path) -> int:
-    cfg_path = run_dir / "config.resolved.yaml"
+    cfg_path = run_dir / RESOLVED_CONFIG
     if not cfg_path.is_file():
         raise EntryError(
             f"{cfg_path} not found; the run directory is made by `rollout-hpc submit` (or the local launcher), "

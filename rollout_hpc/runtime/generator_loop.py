@@ -183,8 +183,20 @@ def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights
             gen.load_weights(tensors)
         evaluator.run(point, version)
 
+    warmup, total = cfg.warmup.sft_steps, cfg.total_steps
     try:
-        while step < a.steps:
+        while step < warmup:  # SFT warm-up: the trainers train alone; evaluate its points as their weights come
+            point = schedule.next_point()
+            target = warmup if point is None else min(point, warmup)
+            try:
+                if version < target:
+                    version, tensors = weights.receive(target)
+                    gen.load_weights(tensors)
+                step = max(target, version)
+                evaluate_if_due(step)
+            except SyncClosed:
+                return 0  # a stop during warm-up
+        while step < total:
             need = step - cfg.exchange.max_staleness
             try:
                 got = weights.poll() if version >= need else weights.receive(need)
@@ -194,7 +206,7 @@ def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights
                 evaluate_if_due(step)
             except SyncClosed:
                 break  # the trainers stopped (end of run, or a checkpoint-and-stop)
-            plan = StepPlan.for_step(cfg, step)
+            plan = StepPlan.for_step(cfg, step - warmup)  # RL steps count their prompts from 0
             if plan.done:  # one round: hand it to the reward workers and go on to the next step
                 ids = rank_share(plan.round, world.group_rank, world.group_size)
                 if len(ids):
@@ -207,7 +219,7 @@ def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights
             step += 1
         else:
             try:  # the final eval: the weights of the last step
-                evaluate_if_due(a.steps)
+                evaluate_if_due(total)
             except SyncClosed:
                 pass
     finally:

@@ -14,17 +14,22 @@ training it makes version s+1.
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
+import numpy as np
 import torch
+
+from rollout_hpc.exchange.forward import Exchange
+from rollout_hpc.exchange.weights import SyncClosed, WeightSync
+from rollout_hpc.models import build_model, load_tokenizer
+from rollout_hpc.runtime.checkpointing import install_stop_handlers
+from rollout_hpc.runtime.generator_loop import run_generator
+from rollout_hpc.runtime.trainer_loop import run_trainer
 
 
 def seed_everything(cfg, world) -> None:
     """Per-rank seeds derived from run.seed (sampling reseeds per step on top of this)."""
-    import random
-
-    import numpy as np
-
     seed = cfg.run.seed * 1000 + world.rank
     random.seed(seed)
     np.random.seed(seed % (1 << 32))
@@ -40,8 +45,6 @@ def set_cpu_threads(cfg, world) -> None:
 
 def build_policy(cfg):
     """(model, tokenizer): the built-in tiny model or model.path, identical on every rank for a seed."""
-    from rollout_hpc.models import build_model, load_tokenizer
-
     tokenizer = load_tokenizer(cfg.model)
     model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.run.seed)
     return model, tokenizer
@@ -49,16 +52,11 @@ def build_policy(cfg):
 
 def main(world, cfg, run_dir: Path) -> int:
     # A UserError raised here on some ranks only ends the whole world in runtime/entry.py.
-    from rollout_hpc.runtime.checkpointing import install_stop_handlers
-
     install_stop_handlers()
     return _run(world, cfg, Path(run_dir))
 
 
 def _run(world, cfg, run_dir: Path) -> int:
-    from rollout_hpc.exchange.forward import Exchange
-    from rollout_hpc.exchange.weights import SyncClosed, WeightSync
-
     set_cpu_threads(cfg, world)
     seed_everything(cfg, world)
     model, tokenizer = build_policy(cfg)
@@ -71,8 +69,6 @@ def _run(world, cfg, run_dir: Path) -> int:
     # Orderly shutdown on success only: after an exception the entry point aborts the whole world,
     # because waiting for partners here could block until the time limit.
     if world.is_generator:
-        from rollout_hpc.runtime.generator_loop import run_generator
-
         code = run_generator(world, cfg, run_dir, model, tokenizer, exchange, weights, eval_comm)
         try:  # keep taking part in weight broadcasts until the trainers close the stream
             while True:
@@ -82,9 +78,7 @@ def _run(world, cfg, run_dir: Path) -> int:
         exchange.close()
         weights.close()
         return code
-    from rollout_hpc.runtime.trainer_loop import run_trainer
-
-    code = run_trainer(world, cfg, run_dir, model, exchange, weights, eval_comm=eval_comm)
+    code = run_trainer(world, cfg, run_dir, model, exchange, weights, eval_comm=eval_comm, tokenizer=tokenizer)
     weights.close()
     exchange.close()  # returns once every generator has sent END
     return code

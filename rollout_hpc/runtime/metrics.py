@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rollout_hpc.exchange.schema import TrajectoryBatch
+from rollout_hpc.store.trajlog import TrajectoryLog, log_path, read_metrics as read_log_metrics
+from rollout_hpc.trajectory import TrajectoryBatch
 
 # Fields of the progress line: (metric key, label, format). Names follow store.trajlog.STANDARD_METRICS.
 _LINE = (
@@ -21,6 +22,7 @@ _LINE = (
     ("kl", "kl", "{:.4f}"),
     ("entropy", "ent", "{:.2f}"),
     ("clip_frac", "clip", "{:.2f}"),
+    ("lr", "lr", "{:.2e}"),  # the policy's learning rate this step (algorithm.lr_schedule)
     ("staleness_max", "stale", "{:.0f}"),
     ("groups_kept", "kept", "{:.0f}"),  # dynamic sampling: informative groups trained on
     ("generation_rounds", "rounds", "{:.0f}"),
@@ -76,8 +78,6 @@ class MetricsSink:
     FLUSH_EVERY = 10
 
     def __init__(self, run_dir: Path, cfg, steps_done: int, quiet: bool = False):
-        from rollout_hpc.store.trajlog import TrajectoryLog
-
         self.quiet = quiet
         meta = {
             "run_name": cfg.run.name,
@@ -100,6 +100,14 @@ class MetricsSink:
         if not self.quiet:
             print(progress_line(step, steps, {"step": step, **metrics}), file=sys.stdout, flush=True)
 
+    def write_metrics(self, step: int, steps: int, metrics: dict[str, float], label: str = "step") -> None:
+        """A step without trajectories (the SFT warm-up): metrics row and progress line."""
+        self.log.append_metrics(step, metrics, flush=(step + 1) % self.FLUSH_EVERY == 0)
+        if not self.quiet:
+            line = progress_line(step, steps, {"step": step, **metrics})
+            extra = f"  loss {metrics['sft_loss']:.4f}" if "sft_loss" in metrics else ""
+            print(label + line.removeprefix("step") + extra, file=sys.stdout, flush=True)
+
     def close(self) -> None:
         self.log.flush()
         self.log.close()
@@ -107,6 +115,4 @@ class MetricsSink:
 
 def read_metrics(run_dir: Path) -> list[dict[str, float]]:
     """The per-step metrics of a run, in step order (a replayed step keeps its last row)."""
-    from rollout_hpc.store.trajlog import log_path, read_metrics as read_log_metrics
-
     return read_log_metrics(log_path(run_dir))

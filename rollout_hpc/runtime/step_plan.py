@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from rollout_hpc import algos
-from rollout_hpc.exchange.schema import TrajectoryBatch
+from rollout_hpc.trajectory import TrajectoryBatch
 
 
 def uses_dynamic_sampling(cfg) -> bool:

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from rollout_hpc import algos
-from rollout_hpc.backends.trainer import make_trainer, model_logits, token_logprobs
-from rollout_hpc.exchange.schema import TrajectoryBatch
-from rollout_hpc.runtime import batching, checkpointing
+from rollout_hpc.backends.trainer import make_trainer, score_tokens
+from rollout_hpc.trajectory import TrajectoryBatch
+from rollout_hpc.runtime import batching, checkpointing, sft
 from rollout_hpc.runtime.critic import Critic, PolicyAndCritic
 from rollout_hpc.runtime.evaluation import EvalReceiver
 from rollout_hpc.runtime.metrics import MetricsSink, batch_metrics
@@ -80,28 +80,66 @@ class StepReceiver:
 class Reference:
     """The frozen initial policy, for KL to reference (only built when algorithm.kl_coef > 0)."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, temperature: float):
+    def __init__(self, model: torch.nn.Module, device: torch.device, cfg):
         self.model = model.to(device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
-        self.device = device
-        self.temperature = temperature
+        self.cfg = cfg
 
-    @torch.no_grad()
-    def logprobs(self, input_ids, attention_mask) -> torch.Tensor:
-        ids = input_ids.to(self.device)
-        logits = model_logits(self.model, ids, attention_mask.to(self.device))
-        return token_logprobs(logits, ids, self.temperature)[0].cpu()
+    def logprobs(self, input_ids, attention_mask, response_mask=None) -> torch.Tensor:
+        # micro-batched and chunked like the trainer (backends/trainer.py), response tokens only
+        return score_tokens(self.model, input_ids, attention_mask, self.cfg, response_mask)
+
+
+def _checkpoint(ckpt, sink, checkpointed, steps_done: int, total: int) -> bool:
+    """Checkpoint after `steps_done` steps when due (collective); True when a stop signal asks the run to end here."""
+    if not ckpt.due(steps_done):
+        return False
+    if sink is not None:  # the log must hold every step the checkpoint covers: a resume continues after it
+        sink.log.flush()
+    ckpt.save(checkpointed, steps_done)
+    return ckpt.stop_requested and steps_done < total
+
+
+class SFTPhase:
+    """The warm-up's steps on the trainer ranks (runtime/sft.py): each rank trains its share of the step's pairs."""
+
+    def __init__(self, cfg, world, trainer, tokenizer, run_dir: Path, sink):
+        from rollout_hpc.envs import load_task
+        from rollout_hpc.runtime.evaluation import eval_points
+
+        data_dir = Path(run_dir) / "data"
+        self.task = load_task(cfg.task, data_dir=data_dir if data_dir.is_dir() else None)
+        self.cfg, self.world, self.trainer, self.tokenizer, self.sink = cfg, world, trainer, tokenizer, sink
+        self.stream = sft.sft_stream(self.task, cfg.run.seed)
+        self.loss_fn = sft.make_sft_loss_fn(cfg)
+        self.eval_points = set(eval_points(cfg)) if cfg.eval else set()
+        self.publish_at = {cfg.warmup.sft_steps} | self.eval_points
+
+    def step(self, step: int) -> None:
+        t0 = time.perf_counter()
+        batch = sft.sft_batch(self.cfg, self.task, self.tokenizer, self.stream, step)
+        tensors = batching.collate(batch, self.tokenizer.pad_id)
+        mine = batching.select_rows(tensors, sft.my_rows(len(batch), self.world.group_rank, self.world.group_size))
+        with self.trainer.fixed_lr(self.cfg.warmup.lr or self.cfg.algorithm.lr):
+            stats = self.trainer.train_step(mine, self.loss_fn, agg=self.cfg.algorithm.loss_agg)
+        if self.sink is not None:
+            period = time.perf_counter() - t0
+            f = batch.fixed
+            stats.update(samples=float(len(batch)), response_len_mean=float(f["response_len"].mean()),
+                         train_time=period, step_time=period, policy_version=float(step + 1),
+                         tokens_per_s=float(f["response_len"].sum() + f["prompt_len"].sum()) / max(period, 1e-9))
+            self.sink.write_metrics(step, self.cfg.total_steps, stats, label="sft step")
 
 
 def run_trainer(world, cfg, run_dir: Path, model: torch.nn.Module, exchange, weights, quiet: bool = False,
-                eval_comm=None) -> int:
+                eval_comm=None, tokenizer=None) -> int:
     a = cfg.algorithm
     spec = algos.get_algorithm(a.name)
     initial = copy.deepcopy(model) if a.kl_coef > 0 else None  # before a backend shards or moves the model
     critic = Critic(cfg, model, world) if spec.needs_critic else None  # from the initial policy, like `initial`
     trainer = make_trainer(cfg, model, world)
-    reference = Reference(initial, trainer.device, a.temperature) if initial is not None else None
+    reference = Reference(initial, trainer.device, cfg) if initial is not None else None
     loss_fn = batching.make_loss_fn(cfg)
     ckpt = checkpointing.Checkpointer(world, cfg, run_dir)
     checkpointed = PolicyAndCritic(trainer, critic) if critic else trainer
@@ -111,28 +149,43 @@ def run_trainer(world, cfg, run_dir: Path, model: torch.nn.Module, exchange, wei
     receiver = StepReceiver(exchange, world, cfg)
     evals = EvalReceiver(eval_comm, source=0, quiet=quiet) if is_logger and eval_comm is not None else None
     sync = weights.publish(start, trainer.full_weights())  # generators start from exactly these weights
+    warmup, total = cfg.warmup.sft_steps, cfg.total_steps
+    warm = SFTPhase(cfg, world, trainer, tokenizer, run_dir, sink) if start < warmup else None
     exit_code = 0
     try:
+        if warm and evals and start in warm.eval_points:
+            evals.wait_for(sink.log, start)
         t_prev = time.perf_counter()
-        for step in range(start, a.steps):
+        for step in range(start, total):
             t0 = time.perf_counter()
-            batch, plan = receiver.get(step)
+            if step < warmup:
+                warm.step(step)
+                if step + 1 in warm.publish_at:  # the generators wait for these: an eval point, the start of RL
+                    weights.publish(step + 1, trainer.full_weights())
+                # The generators are idle during warm-up: an eval point is evaluated on exactly its weights while
+                # the trainers wait (the other ranks wait in the next step's collectives), never left in flight.
+                if evals and step + 1 in warm.eval_points:
+                    evals.wait_for(sink.log, step + 1)
+                t_prev = time.perf_counter()
+                if _checkpoint(ckpt, sink, checkpointed, step + 1, total):
+                    exit_code = checkpointing.EXIT_PREEMPTED
+                    break
+                continue
+            batch, plan = receiver.get(step - warmup)  # RL steps count their prompts from 0
             t_got, t_got_wall = time.perf_counter(), time.time()
             batch = batching.sort_by_uid(batch, a.group_size)
             batching.check_complete(batch, step, plan.prompts, a.group_size)
             batching.check_staleness(batch, step, cfg.exchange.max_staleness)
 
             tensors = batching.collate(batch)
-            ref_lp = reference.logprobs(tensors["input_ids"], tensors["attention_mask"]) if reference else None
+            ref_lp = reference.logprobs(tensors["input_ids"], tensors["attention_mask"], tensors["mask"]) if reference else None
             values = critic.values(tensors["input_ids"], tensors["attention_mask"]) if critic else None
             adv_stats = batching.add_advantages(cfg, tensors, ref_lp, values)
             groups = batching.trainable_groups(tensors["mask"], a.group_size)
             stats = {"generation_rounds": float(plan.rounds)} if plan.max_rounds > 1 else {}
             if len(groups):  # none: every group of every round had equal rewards; the policy stays as it is
                 mine = batching.select_rows(tensors, batching.shard_groups(groups, a.group_size, world.group_rank, world.group_size))
-                stats.update(trainer.train_step(mine, loss_fn))
-                if critic:
-                    stats.update(critic.train_step(mine))
+                stats.update(batching.train_updates(cfg, trainer, critic, mine, loss_fn))
             t_trained = time.perf_counter()
 
             sync = weights.publish(step + 1, trainer.full_weights())
@@ -155,19 +208,15 @@ def run_trainer(world, cfg, run_dir: Path, model: torch.nn.Module, exchange, wei
                     sync_bytes=float(sync.get("bytes", 0)),
                     policy_version=float(step + 1),
                 )
-                sink.write(step, a.steps, batch, m)
+                sink.write(step, total, batch, m)
                 if evals:
                     evals.poll(sink.log)
             t_prev = t_synced
-            if ckpt.due(step + 1):
-                if sink is not None:  # the log must hold every step the checkpoint covers: a resume continues after it
-                    sink.log.flush()
-                ckpt.save(checkpointed, step + 1)
-                if ckpt.stop_requested and step + 1 < a.steps:
-                    exit_code = checkpointing.EXIT_PREEMPTED
-                    break
+            if _checkpoint(ckpt, sink, checkpointed, step + 1, total):
+                exit_code = checkpointing.EXIT_PREEMPTED
+                break
         if evals and exit_code == 0:  # the final eval runs on the last step's weights, published above
-            evals.wait_for(sink.log, a.steps, lambda: checkpointing.stop_signalled())
+            evals.wait_for(sink.log, total, lambda: checkpointing.stop_signalled())
     finally:
         if sink is not None:
             sink.close()

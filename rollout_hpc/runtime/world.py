@@ -24,13 +24,11 @@ from dataclasses import dataclass, field
 
 import mpi4py
 
+from rollout_hpc.errors import WorldError
+
 GENERATOR = "generator"
 TRAINER = "trainer"
 _INTERCOMM_TAG = 7001
-
-
-class WorldError(RuntimeError):
-    """The MPI world does not match the config (a user-fixable launch problem)."""
 
 
 def _mpi():

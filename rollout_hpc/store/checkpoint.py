@@ -32,7 +32,7 @@ import h5py
 import numpy as np
 import yaml
 
-from rollout_hpc.config import UserError
+from rollout_hpc.errors import CheckpointCorrupt, CheckpointError, ConfigMismatch
 from rollout_hpc.store import atomic
 from rollout_hpc.store.h5tree import CHECKSUM_ALGO, LeafHasher, digest_weights, read_tree, weights_from, write_tree
 
@@ -49,18 +49,6 @@ IDENTITY_SECTIONS = ("model", "algorithm")
 _FILE_RE = re.compile(r"^step-(\d{8})\.h5$")
 _DIR_RE = re.compile(r"^step-(\d{8})$")
 _TMP_RE = re.compile(r"^step-(\d{8})\.h5\.tmp-\d+$")
-
-
-class CheckpointError(UserError):
-    """A checkpoint problem the user can act on; the message says which file and what to do."""
-
-
-class CheckpointCorrupt(CheckpointError):
-    """A checkpoint whose content does not match its checksum, or that cannot be read at all."""
-
-
-class ConfigMismatch(CheckpointError):
-    """The checkpoint was written under a config whose model or algorithm differs."""
 
 
 @dataclass(frozen=True)

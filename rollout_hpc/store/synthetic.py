@@ -6,7 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rollout_hpc.exchange.schema import FIXED_DTYPE, TrajectoryBatch
+from rollout_hpc.store.trajlog import TrajectoryLog
+from rollout_hpc.trajectory import FIXED_DTYPE, TrajectoryBatch
 
 T0 = 1_700_000_000.0
 
@@ -50,8 +51,6 @@ def synthetic_batch(rng: np.random.Generator, n: int, step: int, group_size: int
 def write_synthetic_log(path: str | Path, steps: int, per_step: int, seed: int = 0, restart_at: int | None = None,
                         **batch_kw) -> None:
     """A complete trajectory log of `steps` steps with per-step metrics (one restart at `restart_at`)."""
-    from rollout_hpc.store.trajlog import TrajectoryLog
-
     rng = np.random.default_rng(seed)
     meta = {"run_name": "synthetic", "group_size": batch_kw.get("group_size", 4),
             "max_new_tokens": batch_kw.get("max_new_tokens", 16), "max_staleness": batch_kw.get("lag", 0)}

@@ -32,9 +32,9 @@ from typing import Any, Iterator
 import h5py
 import numpy as np
 
-from rollout_hpc.config import UserError
-from rollout_hpc.exchange.schema import FIXED_DTYPE, LAYOUT_VERSION as RECORD_LAYOUT, RAGGED, TrajectoryBatch
+from rollout_hpc.errors import TrajectoryLogError
 from rollout_hpc.store.h5recover import clear_consistency_flags, consistency_flags
+from rollout_hpc.trajectory import FIXED_DTYPE, LAYOUT_VERSION as RECORD_LAYOUT, RAGGED, TrajectoryBatch
 
 FORMAT = "rollout-hpc-trajectories"
 LOG_LAYOUT_VERSION = 1
@@ -67,10 +67,6 @@ TOKEN_CHUNK = 16384
 # half the uncompressed size, and every HDF5 reader can decode gzip (lzf needs h5py).
 # tools/bench_checkpoint.py measures gzip vs lzf vs none against JSON lines.
 DEFAULT_COMPRESSION = {"compression": "gzip", "compression_opts": 1, "shuffle": True}
-
-
-class TrajectoryLogError(UserError):
-    """A file that is not a trajectory log this code reads, or a log that cannot be opened; says why."""
 
 
 def log_path(run_dir_or_log: str | Path) -> Path:

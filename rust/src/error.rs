@@ -20,6 +20,9 @@ pub enum RingError {
     Timeout,
     /// The ring was closed: no more pushes; pops fail once the ring is drained.
     Closed,
+    /// An error of the embedding `Host` (e.g. a Python signal handler's exception, or a
+    /// failed allocation in `pop_into`), passed through unchanged for the host to unwrap.
+    Host(Box<dyn std::error::Error + Send + Sync>),
 }
 
 pub type Result<T> = std::result::Result<T, RingError>;
@@ -28,14 +31,12 @@ impl fmt::Display for RingError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             RingError::Io { path, op, source } => write!(f, "ring {path}: {op} failed: {source}"),
-            RingError::Exists { path } => write!(
-                f,
-                "ring {path}: file already exists (use Ring.open, or Ring.open_or_create, or unlink it)"
-            ),
-            RingError::BadHeader { path, what } => write!(
-                f,
-                "ring {path}: not a usable ring segment: {what} (delete the file and create the ring again)"
-            ),
+            RingError::Exists { path } => {
+                write!(f, "ring {path}: file already exists (use Ring.open, or Ring.open_or_create, or unlink it)")
+            }
+            RingError::BadHeader { path, what } => {
+                write!(f, "ring {path}: not a usable ring segment: {what} (delete the file and create the ring again)")
+            }
             RingError::Corrupt { path, what } => write!(f, "ring {path}: shared state is corrupt: {what}"),
             RingError::TooLarge { len, max } => write!(
                 f,
@@ -45,6 +46,7 @@ impl fmt::Display for RingError {
             RingError::Invalid(what) => write!(f, "{what}"),
             RingError::Timeout => write!(f, "ring operation timed out"),
             RingError::Closed => write!(f, "ring is closed"),
+            RingError::Host(e) => write!(f, "{e}"),
         }
     }
 }

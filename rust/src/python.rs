@@ -1,30 +1,66 @@
-//! `rollout_hpc._ring`: the PyO3 face of the ring. rollout_hpc/exchange/ring.py wraps it.
+//! `rollout_hpc._ring`: the PyO3 face of the ring. rollout_hpc/exchange/ring.py wraps it;
+//! rollout_hpc/_ring.pyi types it.
 //!
-//! Blocking calls release the GIL and wake every CHECK_EVERY to run Python signal handlers
-//! (Ctrl-C works). Pushes read any C-contiguous buffer in place; `pop_view` and `reserve`
-//! export the record's bytes in shared memory through the buffer protocol (zero copy).
+//! A thin layer: it converts arguments (buffers, timeouts) and results (bytes, lists, dicts,
+//! exceptions) and calls the core once per method. Timeouts, batching and waiting live in the
+//! core; `PyHost` is how the core releases the GIL while it waits or copies a lot, and runs
+//! Python signal handlers every `wait::CHECK_EVERY` while blocked (Ctrl-C works). Pushes read
+//! any C-contiguous buffer in place; `pop_view` and `reserve` export the record's bytes in
+//! shared memory through the buffer protocol (zero copy).
 
 use std::os::raw::{c_int, c_void};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use pyo3::create_exception;
-use pyo3::exceptions::{PyBufferError, PyException, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
+use crate::wait::Host;
 use crate::{Claim, Ring, RingError, WriteSlot};
 
-create_exception!(_ring, PyRingError, PyException, "Any ring failure; the message names the segment file and the fix.");
-create_exception!(_ring, RingTimeout, PyRingError, "Nothing could be pushed or popped before the timeout.");
-create_exception!(_ring, RingClosed, PyRingError, "The ring was closed (and, for pops, is drained).");
-create_exception!(_ring, RecordTooLarge, PyRingError, "The record is larger than the ring can ever hold.");
+/// The exceptions, named as Python sees them (`rollout_hpc._ring.RingError`, ...), so that
+/// tracebacks read well and they pickle (to cross a multiprocessing boundary).
+mod exceptions {
+    use pyo3::create_exception;
+    use pyo3::exceptions::PyException;
 
-const CHECK_EVERY: Duration = Duration::from_millis(100);
-/// Copies smaller than this are done holding the GIL (releasing it costs more).
-const DETACH_COPY_BYTES: usize = 64 * 1024;
+    create_exception!(
+        rollout_hpc._ring,
+        RingError,
+        PyException,
+        "Any ring failure; the message names the segment file and the fix."
+    );
+    create_exception!(
+        rollout_hpc._ring,
+        RingTimeout,
+        RingError,
+        "Nothing could be pushed or popped before the timeout."
+    );
+    create_exception!(rollout_hpc._ring, RingClosed, RingError, "The ring was closed (and, for pops, is drained).");
+    create_exception!(
+        rollout_hpc._ring,
+        RecordTooLarge,
+        RingError,
+        "The record is larger than the ring can ever hold."
+    );
+}
+use exceptions::{RecordTooLarge, RingClosed, RingError as PyRingError, RingTimeout};
+
+/// The core's waits and long copies run without the GIL; signal handlers run while blocked.
+struct PyHost;
+
+impl Host for PyHost {
+    fn unlocked(&self, f: &mut (dyn FnMut() + Send)) {
+        // Called with the GIL held (the core's entry points are only called from #[pymethods]).
+        Python::attach(|py| py.detach(f));
+    }
+    fn interrupted(&self) -> crate::Result<()> {
+        Python::attach(|py| py.check_signals()).map_err(|e| RingError::Host(Box::new(e)))
+    }
+}
 
 fn to_py(e: RingError) -> PyErr {
     let msg = e.to_string();
@@ -33,6 +69,10 @@ fn to_py(e: RingError) -> PyErr {
         RingError::Closed => RingClosed::new_err(msg),
         RingError::TooLarge { .. } => RecordTooLarge::new_err(msg),
         RingError::Invalid(_) => PyValueError::new_err(msg),
+        RingError::Host(e) => match e.downcast::<PyErr>() {
+            Ok(e) => *e,
+            Err(e) => PyRingError::new_err(e.to_string()),
+        },
         _ => PyRingError::new_err(msg),
     }
 }
@@ -40,45 +80,10 @@ fn to_py(e: RingError) -> PyErr {
 fn to_duration(timeout: Option<f64>) -> PyResult<Option<Duration>> {
     match timeout {
         None => Ok(None),
-        Some(t) if t.is_nan() || t < 0.0 => Err(PyValueError::new_err(format!("timeout must be >= 0 or None, got {t}"))),
-        Some(t) => Ok(Some(Duration::from_secs_f64(t.min(1e9)))),
-    }
-}
-
-/// Runs a blocking ring operation without the GIL, in slices, checking for signals between them.
-fn blocking<T: Send>(
-    py: Python<'_>,
-    ring: &Ring,
-    what: &str,
-    timeout: Option<f64>,
-    op: impl Fn(Option<Duration>) -> crate::Result<T> + Sync,
-) -> PyResult<T> {
-    let deadline = to_duration(timeout)?.map(|t| Instant::now() + t);
-    // Fast path: most calls need not wait, and releasing the GIL costs more than they do.
-    match op(Some(Duration::ZERO)) {
-        Err(RingError::Timeout) => {}
-        r => return r.map_err(to_py),
-    }
-    loop {
-        let now = Instant::now();
-        let (slice, last) = match deadline {
-            None => (CHECK_EVERY, false),
-            Some(d) => {
-                let left = d.saturating_duration_since(now);
-                (left.min(CHECK_EVERY), left <= CHECK_EVERY)
-            }
-        };
-        match py.detach(|| op(Some(slice))) {
-            Err(RingError::Timeout) if !last => py.check_signals()?,
-            Err(RingError::Timeout) => {
-                return Err(RingTimeout::new_err(format!(
-                    "ring {}: {what} timed out after {} s",
-                    ring.path(),
-                    timeout.unwrap_or(0.0)
-                )))
-            }
-            r => return r.map_err(to_py),
+        Some(t) if t.is_nan() || t < 0.0 => {
+            Err(PyValueError::new_err(format!("timeout must be >= 0 or None, got {t}")))
         }
+        Some(t) => Ok(Some(Duration::from_secs_f64(t.min(1e9)))),
     }
 }
 
@@ -97,40 +102,46 @@ impl Buffer {
         }
         Ok(Buffer(unsafe { view.assume_init() }))
     }
-    /// (address, length): plain numbers so the copy can run without the GIL.
-    fn raw(&self) -> (usize, usize) {
-        (self.0.buf as usize, self.0.len as usize)
+
+    /// The bytes. (Another Python thread writing to the exporter meanwhile is the caller's race,
+    /// as for any buffer consumer.)
+    fn bytes(&self) -> &[u8] {
+        if self.0.len == 0 {
+            return &[];
+        }
+        // Valid while the buffer is held: PyBUF_C_CONTIGUOUS gives `len` contiguous bytes at `buf`.
+        unsafe { std::slice::from_raw_parts(self.0.buf as *const u8, self.0.len as usize) }
     }
 }
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        // Always dropped while attached to the interpreter (never inside `detach`).
+        // Always dropped while attached to the interpreter.
         unsafe { ffi::PyBuffer_Release(&mut self.0) };
     }
 }
 
-fn copy_raw(src: usize, dst: usize, len: usize) {
-    unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len) };
+/// A new, uninitialised bytes object for the core to pop a record into.
+struct NewBytes<'py> {
+    obj: Bound<'py, PyBytes>,
+    len: usize,
 }
 
-/// Copies `len` bytes, releasing the GIL for large copies.
-fn copy_maybe_detached(py: Python<'_>, src: usize, dst: usize, len: usize) {
-    if len >= DETACH_COPY_BYTES {
-        py.detach(|| copy_raw(src, dst, len));
-    } else {
-        copy_raw(src, dst, len);
+impl<'py> NewBytes<'py> {
+    fn alloc(py: Python<'py>, len: usize) -> crate::Result<NewBytes<'py>> {
+        let obj = unsafe { ffi::PyBytes_FromStringAndSize(std::ptr::null(), len as ffi::Py_ssize_t) };
+        unsafe { Bound::from_owned_ptr_or_err(py, obj) }
+            .and_then(|b| Ok(b.cast_into::<PyBytes>()?))
+            .map(|obj| NewBytes { obj, len })
+            .map_err(|e| RingError::Host(Box::new(e)))
     }
 }
 
-/// Copies a claimed record into a new bytes object (the caller acknowledges it).
-fn copy_to_bytes<'py>(py: Python<'py>, claim: &Claim) -> PyResult<Bound<'py, PyBytes>> {
-    let len = claim.len();
-    let obj = unsafe { ffi::PyBytes_FromStringAndSize(std::ptr::null(), len as ffi::Py_ssize_t) };
-    let bytes = unsafe { Bound::from_owned_ptr_or_err(py, obj)? }.cast_into::<PyBytes>()?;
-    let dst = unsafe { ffi::PyBytes_AsString(bytes.as_ptr()) } as usize;
-    copy_maybe_detached(py, claim.as_ptr() as usize, dst, len);
-    Ok(bytes)
+impl AsMut<[u8]> for NewBytes<'_> {
+    fn as_mut(&mut self) -> &mut [u8] {
+        // A bytes object nobody else has seen yet: ours to fill.
+        unsafe { std::slice::from_raw_parts_mut(ffi::PyBytes_AsString(self.obj.as_ptr()) as *mut u8, self.len) }
+    }
 }
 
 #[pyclass(module = "rollout_hpc._ring", name = "Ring", frozen)]
@@ -138,22 +149,41 @@ struct PyRing {
     ring: Ring,
 }
 
+impl PyRing {
+    fn new(ring: crate::Result<Ring>) -> PyResult<Self> {
+        Ok(PyRing { ring: ring.map_err(to_py)?.with_host(Arc::new(PyHost)) })
+    }
+
+    /// Converts a core error; a timeout says which call timed out, after how long.
+    fn err(&self, what: &str, timeout: Option<f64>) -> impl FnOnce(RingError) -> PyErr + '_ {
+        let what = what.to_string();
+        move |e| match e {
+            RingError::Timeout => RingTimeout::new_err(format!(
+                "ring {}: {what} timed out after {} s",
+                self.ring.path(),
+                timeout.unwrap_or(0.0)
+            )),
+            e => to_py(e),
+        }
+    }
+}
+
 #[pymethods]
 impl PyRing {
     /// Creates a new segment file (owner-only, 0600). Fails if it exists.
     #[staticmethod]
     fn create(path: std::path::PathBuf, capacity: u64) -> PyResult<Self> {
-        Ok(PyRing { ring: Ring::create(path, capacity).map_err(to_py)? })
+        PyRing::new(Ring::create(path, capacity))
     }
 
     #[staticmethod]
     fn open(path: std::path::PathBuf) -> PyResult<Self> {
-        Ok(PyRing { ring: Ring::open(path).map_err(to_py)? })
+        PyRing::new(Ring::open(path))
     }
 
     #[staticmethod]
     fn open_or_create(path: std::path::PathBuf, capacity: u64) -> PyResult<Self> {
-        Ok(PyRing { ring: Ring::open_or_create(path, capacity).map_err(to_py)? })
+        PyRing::new(Ring::open_or_create(path, capacity))
     }
 
     #[getter]
@@ -178,64 +208,30 @@ impl PyRing {
 
     /// Pushes one record; returns its id.
     #[pyo3(signature = (data, timeout=None))]
-    fn push(&self, py: Python<'_>, data: &Bound<'_, PyAny>, timeout: Option<f64>) -> PyResult<u64> {
+    fn push(&self, data: &Bound<'_, PyAny>, timeout: Option<f64>) -> PyResult<u64> {
         let buf = Buffer::get(data)?;
-        let (src, len) = buf.raw();
-        let mut slot = blocking(py, &self.ring, "push (waiting for space)", timeout, |t| self.ring.reserve(len, t))?;
-        let dst = slot.data_mut().as_mut_ptr() as usize;
-        copy_maybe_detached(py, src, dst, len);
-        let id = slot.id();
-        slot.commit().map_err(to_py)?;
-        Ok(id)
+        self.ring.push(buf.bytes(), to_duration(timeout)?).map_err(self.err("push (waiting for space)", timeout))
     }
 
-    fn try_push(&self, py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<bool> {
-        match self.push(py, data, Some(0.0)) {
-            Ok(_) => Ok(true),
-            Err(e) if e.is_instance_of::<RingTimeout>(py) => Ok(false),
-            Err(e) => Err(e),
-        }
+    fn try_push(&self, data: &Bound<'_, PyAny>) -> PyResult<bool> {
+        self.ring.try_push(Buffer::get(data)?.bytes()).map_err(to_py)
     }
 
     /// Pushes every item in order (reservations batched). Returns the number pushed; on timeout
     /// after some were pushed, raises RingTimeout whose message says how many.
     #[pyo3(signature = (items, timeout=None))]
-    fn push_many(&self, py: Python<'_>, items: &Bound<'_, PyAny>, timeout: Option<f64>) -> PyResult<usize> {
+    fn push_many(&self, items: &Bound<'_, PyAny>, timeout: Option<f64>) -> PyResult<usize> {
         let bufs: Vec<Buffer> = items.try_iter()?.map(|o| Buffer::get(&o?)).collect::<PyResult<_>>()?;
-        let raws: Vec<(usize, usize)> = bufs.iter().map(Buffer::raw).collect();
-        let lens: Vec<usize> = raws.iter().map(|r| r.1).collect();
-        let deadline = to_duration(timeout)?.map(|t| Instant::now() + t);
-        let mut done = 0;
-        while done < raws.len() {
-            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()).as_secs_f64());
-            let reserved = blocking(py, &self.ring, "push_many (waiting for space)", left, |t| {
-                let mut out = Vec::new();
-                self.ring.reserve_many(&lens[done..], &mut out, t).map(|_| out)
-            });
-            let mut slots = match reserved {
-                Ok(s) => s,
-                Err(e) if done > 0 && e.is_instance_of::<RingTimeout>(py) => {
-                    return Err(RingTimeout::new_err(format!(
-                        "push_many timed out after pushing {done} of {} records",
-                        raws.len()
-                    )))
-                }
-                Err(e) => return Err(e),
-            };
-            let copies: Vec<(usize, usize, usize)> = slots
-                .iter_mut()
-                .zip(&raws[done..])
-                .map(|(s, &(src, len))| (src, s.data_mut().as_mut_ptr() as usize, len))
-                .collect();
-            let total: usize = copies.iter().map(|c| c.2).sum();
-            let copy_all = || copies.iter().for_each(|&(src, dst, len)| copy_raw(src, dst, len));
-            if total >= DETACH_COPY_BYTES {
-                py.detach(copy_all);
-            } else {
-                copy_all();
-            }
-            done += slots.len();
-            self.ring.commit_many(&mut slots).map_err(to_py)?;
+        let data: Vec<&[u8]> = bufs.iter().map(Buffer::bytes).collect();
+        let done = self
+            .ring
+            .push_many(&data, to_duration(timeout)?)
+            .map_err(self.err("push_many (waiting for space)", timeout))?;
+        if done < data.len() {
+            return Err(RingTimeout::new_err(format!(
+                "push_many timed out after pushing {done} of {} records",
+                data.len()
+            )));
         }
         Ok(done)
     }
@@ -243,48 +239,53 @@ impl PyRing {
     /// Pops one record as bytes (copied, then acknowledged).
     #[pyo3(signature = (timeout=None))]
     fn pop<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyBytes>> {
-        let claim = blocking(py, &self.ring, "pop", timeout, |t| self.ring.claim(t))?;
-        let bytes = copy_to_bytes(py, &claim)?;
-        claim.ack();
-        Ok(bytes)
+        let b = self
+            .ring
+            .pop_into(to_duration(timeout)?, |len| NewBytes::alloc(py, len))
+            .map_err(self.err("pop", timeout))?;
+        Ok(b.obj)
     }
 
     fn try_pop<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyBytes>>> {
-        match self.pop(py, Some(0.0)) {
-            Ok(b) => Ok(Some(b)),
-            Err(e) if e.is_instance_of::<RingTimeout>(py) => Ok(None),
-            Err(e) => Err(e),
+        match self.ring.pop_into(Some(Duration::ZERO), |len| NewBytes::alloc(py, len)) {
+            Ok(b) => Ok(Some(b.obj)),
+            Err(RingError::Timeout) => Ok(None),
+            Err(e) => Err(to_py(e)),
         }
     }
 
     /// Waits (up to timeout) for one record, then takes up to max_n that are ready.
     #[pyo3(signature = (max_n, timeout=None))]
     fn pop_many<'py>(&self, py: Python<'py>, max_n: usize, timeout: Option<f64>) -> PyResult<Bound<'py, PyList>> {
-        let claims = blocking(py, &self.ring, "pop_many", timeout, |t| {
-            let mut out = Vec::new();
-            self.ring.claim_many(max_n, t, &mut out).map(|_| out)
-        })?;
-        let mut claims = claims;
-        let list = PyList::empty(py);
-        for c in &claims {
-            list.append(copy_to_bytes(py, c)?)?;
-        }
-        self.ring.ack_many(&mut claims).map_err(to_py)?;
-        Ok(list)
+        let mut out = Vec::new();
+        self.ring
+            .pop_many_into(max_n, to_duration(timeout)?, |len| NewBytes::alloc(py, len), &mut out)
+            .map_err(self.err("pop_many", timeout))?;
+        PyList::new(py, out.into_iter().map(|b| b.obj))
     }
 
     /// Claims one record and exports it without copying; see RecordView.
     #[pyo3(signature = (timeout=None))]
-    fn pop_view(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<RecordView> {
-        let claim = blocking(py, &self.ring, "pop_view", timeout, |t| self.ring.claim(t))?;
-        Ok(RecordView { id: claim.id(), len: claim.len(), claim: Mutex::new(Some(claim)), exports: BufferExports::default() })
+    fn pop_view(&self, timeout: Option<f64>) -> PyResult<RecordView> {
+        let claim = self.ring.claim(to_duration(timeout)?).map_err(self.err("pop_view", timeout))?;
+        Ok(RecordView {
+            id: claim.id(),
+            len: claim.len(),
+            claim: Mutex::new(Some(claim)),
+            exports: BufferExports::default(),
+        })
     }
 
     /// Reserves a record of nbytes to be filled in place; see RecordWriter.
     #[pyo3(signature = (nbytes, timeout=None))]
-    fn reserve(&self, py: Python<'_>, nbytes: usize, timeout: Option<f64>) -> PyResult<RecordWriter> {
-        let slot = blocking(py, &self.ring, "reserve", timeout, |t| self.ring.reserve(nbytes, t))?;
-        Ok(RecordWriter { id: slot.id(), len: slot.len(), slot: Mutex::new(Some(slot)), exports: BufferExports::default() })
+    fn reserve(&self, nbytes: usize, timeout: Option<f64>) -> PyResult<RecordWriter> {
+        let slot = self.ring.reserve(nbytes, to_duration(timeout)?).map_err(self.err("reserve", timeout))?;
+        Ok(RecordWriter {
+            id: slot.id(),
+            len: slot.len(),
+            slot: Mutex::new(Some(slot)),
+            exports: BufferExports::default(),
+        })
     }
 
     fn close(&self) {

@@ -154,9 +154,8 @@ impl Drop for Fd {
 }
 
 fn map(fd: &Fd, len: usize, path: &str) -> Result<*mut u8> {
-    let p = unsafe {
-        libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.0, 0)
-    };
+    let p =
+        unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.0, 0) };
     if p == libc::MAP_FAILED {
         return Err(io_err(path, "mmap"));
     }
@@ -185,9 +184,8 @@ impl Segment {
             .unwrap_or(0);
         let tmp = format!("{}.{}.{}.tmp", spath, std::process::id(), now);
         let ctmp = c_path(Path::new(&tmp))?;
-        let fd = unsafe {
-            libc::open(ctmp.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC, 0o600)
-        };
+        let fd =
+            unsafe { libc::open(ctmp.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC, 0o600) };
         if fd < 0 {
             return Err(io_err(&spath, "create"));
         }
@@ -283,7 +281,10 @@ impl Segment {
         if cap.checked_add(DATA_OFFSET as u64) != Some(size) {
             return Err(bad(
                 &spath,
-                format!("file is {size} bytes but the header says {} (truncated or extended)", cap + DATA_OFFSET as u64),
+                format!(
+                    "file is {size} bytes but the header says {} (truncated or extended)",
+                    cap + DATA_OFFSET as u64
+                ),
             ));
         }
         let base = map(&fd, size as usize, &spath)?;

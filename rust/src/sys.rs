@@ -6,10 +6,8 @@ use std::time::Duration;
 /// Sleeps while `*word == expected`, at most `timeout`. Shared (not PRIVATE) so it
 /// works across processes mapping the same file. Spurious returns are fine: callers loop.
 pub fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
-    let ts = libc::timespec {
-        tv_sec: timeout.as_secs() as libc::time_t,
-        tv_nsec: timeout.subsec_nanos() as libc::c_long,
-    };
+    let ts =
+        libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
     unsafe {
         libc::syscall(
             libc::SYS_futex,

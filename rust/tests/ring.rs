@@ -270,7 +270,7 @@ fn reopen_after_everyone_died_recovers_committed_records() {
         }
         std::mem::forget(r.claim(None).unwrap()); // claimed, never acked
         std::mem::forget(r.reserve(10, None).unwrap()); // reserved, never committed
-        // lock the reservation lock forever, as if killed inside it
+                                                        // lock the reservation lock forever, as if killed inside it
         let ring_file = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
         use std::os::unix::fs::FileExt;
         ring_file.write_at(&std::process::id().to_le_bytes(), 64).unwrap();
@@ -287,4 +287,76 @@ fn reopen_after_everyone_died_recovers_committed_records() {
     let s = r.stats();
     assert_eq!((s.requeued_claims, s.reclaimed_slots, s.stolen_locks), (1, 1, 1));
     r.unlink().unwrap();
+}
+
+/// A host that counts its calls and, once asked `stop_after` times, interrupts the waiting call.
+struct CountingHost {
+    unlocked: AtomicUsize,
+    checks: AtomicUsize,
+    stop_after: usize,
+}
+
+impl rollout_ring::Host for CountingHost {
+    fn unlocked(&self, f: &mut (dyn FnMut() + Send)) {
+        self.unlocked.fetch_add(1, Ordering::SeqCst);
+        f()
+    }
+    fn interrupted(&self) -> rollout_ring::Result<()> {
+        if self.checks.fetch_add(1, Ordering::SeqCst) + 1 >= self.stop_after {
+            return Err(RingError::Host("interrupted by the host".into()));
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn host_runs_waits_and_long_copies_and_can_interrupt() {
+    let p = tmp("host");
+    let host = Arc::new(CountingHost { unlocked: AtomicUsize::new(0), checks: AtomicUsize::new(0), stop_after: 2 });
+    let r = Ring::create(&p, 1 << 20).unwrap().with_host(host.clone());
+    r.unlink().unwrap();
+    // Short pushes and pops that need not wait never enter the host.
+    r.push(&[1u8; 100], None).unwrap();
+    assert_eq!(r.pop(Some(Duration::ZERO)).unwrap(), vec![1u8; 100]);
+    assert!(r.try_pop().unwrap().is_none());
+    assert_eq!(host.unlocked.load(Ordering::SeqCst), 0);
+    // A long copy runs inside `unlocked`, in and out.
+    let big = vec![7u8; rollout_ring::wait::LONG_COPY];
+    r.push(&big, None).unwrap();
+    assert_eq!(host.unlocked.load(Ordering::SeqCst), 1);
+    assert_eq!(r.pop(None).unwrap(), big);
+    assert_eq!(host.unlocked.load(Ordering::SeqCst), 2);
+    // A wait forever ends at the host's second interrupt check (CHECK_EVERY apart).
+    let t0 = std::time::Instant::now();
+    match r.claim(None) {
+        Err(RingError::Host(e)) => assert_eq!(e.to_string(), "interrupted by the host"),
+        Err(e) => panic!("expected the host's error, got {e}"),
+        Ok(_) => panic!("expected the host's error, got a record"),
+    }
+    let waited = t0.elapsed();
+    assert!(waited >= 2 * rollout_ring::wait::CHECK_EVERY && waited < Duration::from_secs(5), "{waited:?}");
+    assert_eq!(host.unlocked.load(Ordering::SeqCst), 3);
+    assert!(r.stats().pop_blocked_s > 0.15);
+}
+
+#[test]
+fn push_many_reports_a_partial_push_and_pop_into_checks_lengths() {
+    let p = tmp("many");
+    let r = Ring::create(&p, 4096).unwrap();
+    r.unlink().unwrap();
+    let rec = [3u8; 1000];
+    let items: Vec<&[u8]> = vec![&rec; 10];
+    // Three 1000-byte records fit (1056 bytes each of 4096): the rest time out, reported as a count.
+    let t0 = std::time::Instant::now();
+    assert_eq!(r.push_many(&items, Some(Duration::from_millis(200))).unwrap(), 3);
+    assert!(t0.elapsed() < Duration::from_secs(2));
+    assert!(matches!(r.push_many(&items, Some(Duration::ZERO)), Err(RingError::Timeout)));
+    let mut out: Vec<Vec<u8>> = Vec::new();
+    assert_eq!(r.pop_many_into(2, None, |n| Ok(vec![0; n]), &mut out).unwrap(), 2);
+    assert_eq!(out, vec![rec.to_vec(), rec.to_vec()]);
+    // A buffer of the wrong length is refused; the record was claimed, so it is gone (as on any
+    // error of `alloc`: the claim is acknowledged when dropped).
+    assert!(matches!(r.pop_into(None, |n| Ok(vec![0; n + 1])), Err(RingError::Invalid(_))));
+    assert!(r.try_pop().unwrap().is_none());
+    assert_eq!(r.stats().records_out, 3);
 }

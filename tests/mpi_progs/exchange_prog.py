@@ -30,7 +30,7 @@ import numpy as np
 from rollout_hpc.config import load_config
 from rollout_hpc.runtime.world import free_world, init_world
 from rollout_hpc.exchange.forward import Exchange
-from rollout_hpc.exchange.schema import FIXED_DTYPE, RAGGED, LayoutError, TrajectoryBatch
+from rollout_hpc.trajectory import FIXED_DTYPE, RAGGED, LayoutError, TrajectoryBatch
 
 run_dir, spec = Path(sys.argv[1]), json.loads(sys.argv[2])
 cfg = load_config(run_dir / "config.resolved.yaml")

@@ -161,7 +161,10 @@ fn main() {
     }
     let n64 = if quick { 2_000_000 } else { 20_000_000 };
     let batch = best(reps, || throughput(64, 1, 1, n64, 256));
-    println!("64 B batch path (push_many/claim_many of 256), 1P/1C: {batch:.0} records/s (target 10 M: {:.2}x)", batch / 1e7);
+    println!(
+        "64 B batch path (push_many/claim_many of 256), 1P/1C: {batch:.0} records/s (target 10 M: {:.2}x)",
+        batch / 1e7
+    );
     let (p50, p99) = latency(if quick { 5_000 } else { 30_000 });
     println!("push-to-pop latency, 64 B, 1P/1C: p50 {:.2} us, p99 {:.2} us", p50 as f64 / 1e3, p99 as f64 / 1e3);
     json.push(format!("\"64B_batch_records_per_s\": {batch:.0}, \"target_64B_batch_ratio\": {:.3}", batch / 1e7));

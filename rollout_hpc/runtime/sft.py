@@ -1,0 +1,76 @@
+"""Supervised warm-up (warmup.sft_steps; run.program 'sft'): teacher-forced training on the task's (prompt, answer)
+pairs by the trainer ranks, before RL, in the same run (same trainer, checkpoints, resume, metrics).
+
+Step g < warmup.sft_steps trains pairs [g*B, (g+1)*B) of an SFT stream of the task's prompts (a shuffle of its own,
+seeded apart from the RL stream: the RL steps still start at prompt 0 of theirs), so the step stays the data cursor
+and an interruption during warm-up resumes in warm-up, exactly once. The target is the row's answer as text plus
+EOS; the prompt is formatted exactly as the generators format it (chat template included); the loss is the
+negative log-likelihood of the target tokens, aggregated like the RL loss (algorithm.loss_agg).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from rollout_hpc import algos
+from rollout_hpc.backends.generate_hf import derive_seed, trajectory_batch
+from rollout_hpc.envs.base import dataset_item
+from rollout_hpc.errors import DatasetError
+from rollout_hpc.models.prompting import encode_prompt_item
+from rollout_hpc.trajectory import TrajectoryBatch
+
+_SFT_STREAM = 0x5F7
+
+
+def sft_stream(task, seed: int):
+    """The task's prompts in the SFT phase's own order."""
+    return task.prompts(derive_seed(seed, _SFT_STREAM) % (1 << 31))
+
+
+def batch_size(cfg) -> int:
+    return cfg.warmup.batch_size or cfg.algorithm.prompts_per_step * cfg.algorithm.group_size
+
+
+def answer_text(item) -> str:
+    """The text an SFT step teaches for a prompt: its answer (the first of several accepted ones)."""
+    answer = getattr(item, "answer", None)
+    if isinstance(answer, (list, tuple)):
+        answer = answer[0] if answer else None
+    if answer is None:
+        raise DatasetError("warmup.sft_steps trains on the task's answers, but a prompt has none "
+                           f"({getattr(item, 'text', item)!r}); give every row an answer or set warmup.sft_steps: 0")
+    return str(answer)
+
+
+def sft_batch(cfg, task, tokenizer, stream, step: int) -> TrajectoryBatch:
+    """Step `step`'s (prompt, answer + EOS) pairs as records: the answer is the 'response' trained on."""
+    B = batch_size(cfg)
+    indices = range(step * B, (step + 1) * B)
+    items = [dataset_item(stream, i) for i in indices]
+    prompts = [encode_prompt_item(tokenizer, item, getattr(task, "chat_template", "auto")) for item in items]
+    targets = [tokenizer.encode(answer_text(item)) + [tokenizer.eos_id] for item in items]
+    now = time.time()
+    return trajectory_batch(prompts, targets, [[0.0] * len(t) for t in targets], [0.0] * B,
+                            prompt_index=list(indices), sample_idx=[0] * B, gen_rank=0, policy_version=step,
+                            truncated=[False] * B, t_start=now, t_end=now)
+
+
+def make_sft_loss_fn(cfg):
+    """loss_fn(logprobs, entropy, batch) for Trainer.train_step: NLL of the target tokens."""
+    agg = cfg.algorithm.loss_agg
+
+    def loss_fn(logp: torch.Tensor, ent: torch.Tensor, b: dict):
+        mask = b["mask"]
+        loss = algos.aggregate(-logp, mask, agg)
+        n = mask.sum().clamp(min=1)
+        return loss, {"sft_loss": float(loss.detach()), "entropy": float((ent.detach() * mask).sum() / n),
+                      "sft_token_logp": float((logp.detach() * mask).sum() / n)}
+
+    return loss_fn
+
+
+def my_rows(n: int, group_rank: int, group_size: int) -> np.ndarray:
+    return np.array_split(np.arange(n), group_size)[group_rank]
