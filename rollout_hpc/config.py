@@ -73,6 +73,9 @@ class RunSection(_Section):
 
 class ModelSection(_Section):
     path: str | None = Field(None, description="Local Hugging Face causal-LM directory. None = built-in tiny model.")
+    init_from: str | None = Field(
+        None, description="Start from the weights of another run: its directory (the newest valid checkpoint) or one "
+        "checkpoint file (RUN_DIR/checkpoints/step-N.h5), e.g. an SFT run (run.program: sft). Same model.* otherwise.")
     # Built-in tiny model (random init from this config, tokenizer made in code).
     hidden_size: int = Field(64, gt=0)
     num_layers: int = Field(2, gt=0)

@@ -84,3 +84,20 @@ def test_warmup_then_rl_interrupted_in_both_phases_matches_an_uninterrupted_run(
         assert np.all(np.isfinite(sft_loss)) and sft_loss[-1] < sft_loss[0]  # the warm-up learns
         ev = json.loads(cli("analyze", run, "--json", cwd=tmp_path).stdout)["eval"]
         assert ev["step"] == [0, WARMUP, WARMUP + STEPS]  # before SFT, before the first RL update, at the end
+
+
+def test_an_sft_run_then_rl_from_it_with_model_init_from(tmp_path):
+    """run.program sft trains the warm-up only; model.init_from starts another run from its newest checkpoint. With a
+    learning rate too small to move a float32 weight, the RL run's final weights are the SFT run's, bit for bit."""
+    config = write_config(tmp_path, "pair")
+    sft_run, rl_run = tmp_path / "sft", tmp_path / "rl"
+    done = cli("submit", config, "--run-dir", sft_run, "--set", "run.program=sft", "--set", "warmup.sft_steps=6",
+               cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "sft step 6/6" in done.stdout and "\nstep " not in done.stdout  # no RL step in an SFT run
+    done = cli("submit", config, "--run-dir", rl_run, "--set", "warmup.sft_steps=0", "--set", "algorithm.steps=1",
+               "--set", "algorithm.lr=1e-30", "--set", f"model.init_from={sft_run}", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert weights_digest(rl_run) == weights_digest(sft_run)
+    bad = cli("validate", config, "--set", f"model.init_from={tmp_path / 'nope'}", cwd=tmp_path)
+    assert bad.returncode == 2 and "model.init_from" in bad.stderr and "nope" in bad.stderr

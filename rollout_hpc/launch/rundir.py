@@ -30,6 +30,7 @@ import yaml
 from rollout_hpc import __version__
 from rollout_hpc.config import Config, UserError
 from rollout_hpc.envs.registry import check_task
+from rollout_hpc.models.export import check_init_from
 from rollout_hpc.rundir_layout import CONFIG_SNAPSHOT, DATA, JOB_SCRIPT, LOGS, MANIFEST, RESOLVED_CONFIG
 
 
@@ -78,6 +79,7 @@ def create_run_dir(
         # A dataset task's rows are read, checked and frozen here (memory-mapped Arrow): errors before anything
         # is submitted, and every allocation of the run reads the same rows even if the source file changes.
         task = check_task(cfg)
+        check_init_from(cfg.model.init_from)
         if callable(getattr(task, "freeze", None)):
             task.freeze(tmp / DATA)
         manifest = {

@@ -409,3 +409,36 @@ def read_export_info(directory: str | Path, verify: bool = False) -> dict:
         if changed:
             raise ExportError(f"{directory}: {', '.join(changed)} changed or missing since the export")
     return info
+
+
+def resolve_init_from(spec: str) -> tuple[Path, int | None]:
+    """model.init_from -> (run directory, checkpoint step or None for the newest valid one)."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        match = re.fullmatch(r"step-(\d+)\.h5", path.name)
+        if not match or path.parent.name != "checkpoints":
+            raise ExportError(f"model.init_from {spec}: a checkpoint file is RUN_DIR/checkpoints/step-N.h5")
+        return path.parent.parent, int(match.group(1))
+    if not path.is_dir():
+        raise ExportError(f"model.init_from {spec}: no such run directory or checkpoint file")
+    return path, None
+
+
+def init_weights(spec: str) -> PolicyCheckpoint:
+    """The policy weights model.init_from names (damaged newer checkpoints are passed over, as resume does)."""
+    run_dir, step = resolve_init_from(spec)
+    try:
+        return read_policy(run_dir, step)
+    except ExportError as exc:
+        raise ExportError(f"model.init_from {spec}: {exc}") from None
+
+
+def check_init_from(spec: str | None) -> None:
+    """What submit and validate check of model.init_from without reading weights: the path, and a checkpoint there."""
+    if not spec:
+        return
+    from rollout_hpc.store.checkpoint import list_checkpoints
+
+    run_dir, step = resolve_init_from(spec)
+    if step is None and not list_checkpoints(run_dir):
+        raise ExportError(f"model.init_from {spec}: that run has no checkpoints yet")

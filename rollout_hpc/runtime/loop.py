@@ -47,6 +47,11 @@ def build_policy(cfg):
     """(model, tokenizer): the built-in tiny model or model.path, identical on every rank for a seed."""
     tokenizer = load_tokenizer(cfg.model)
     model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.run.seed)
+    if cfg.model.init_from:  # e.g. an SFT run: every rank starts from its weights (the KL reference too)
+        from rollout_hpc.backends.generate_hf import load_weights_into
+        from rollout_hpc.models.export import init_weights
+
+        load_weights_into(model, init_weights(cfg.model.init_from).weights)
     return model, tokenizer
 
 

@@ -155,8 +155,7 @@ impl PyRing {
     }
 
     /// Converts a core error; a timeout says which call timed out, after how long.
-    fn err(&self, what: &str, timeout: Option<f64>) -> impl FnOnce(RingError) -> PyErr + '_ {
-        let what = what.to_string();
+    fn err(&self, what: &'static str, timeout: Option<f64>) -> impl FnOnce(RingError) -> PyErr + '_ {
         move |e| match e {
             RingError::Timeout => RingTimeout::new_err(format!(
                 "ring {}: {what} timed out after {} s",

@@ -211,7 +211,7 @@ impl Ring {
             return Err(RingError::TooLarge { len, max });
         }
         inner.note_role(ROLE_PRODUCER);
-        block_on(inner, &*self.host, timeout, |_| {
+        block_on(inner, &*self.host, timeout, |_patient| {
             if inner.ctl().closed.0.load(Acquire) != 0 {
                 return Err(RingError::Closed);
             }
@@ -249,18 +249,18 @@ impl Ring {
     pub fn claim(&self, timeout: Option<Duration>) -> Result<Claim> {
         let inner = &*self.inner;
         inner.note_role(ROLE_CONSUMER);
-        let slot = block_on(inner, &*self.host, timeout, |waiter| loop {
+        let slot = block_on(inner, &*self.host, timeout, |patient| loop {
             match inner.next()? {
                 Next::Claimed(slot) => return Ok(Step::Done(slot)),
                 Next::Writing { pos, owner } => {
-                    if waiter.patient() && !sys::process_alive(owner) {
+                    if patient && !sys::process_alive(owner) {
                         inner.skip_dead_writer(pos, owner);
                         continue;
                     }
                 }
                 Next::Empty => {
                     let closed = inner.ctl().closed.0.load(Acquire) != 0;
-                    if waiter.patient() || closed {
+                    if patient || closed {
                         if let Some(slot) = inner.take_orphan()? {
                             return Ok(Step::Done(slot));
                         }

@@ -80,29 +80,31 @@ pub(crate) enum Step<T> {
 }
 
 /// Runs `attempt` until it is done, an error occurs or the deadline passes (RingError::Timeout).
-/// The first try runs in the caller's context (most calls need not wait, and `unlocked` costs
-/// more than they do); the waiting and every later try run inside `host.unlocked`.
+/// `attempt(patient)` is told whether the call has waited long enough for slow checks.
+/// The first try runs in the caller's context and reads no clock (most calls need not wait,
+/// and `unlocked` costs more than they do); the deadline counts from its end. The waiting
+/// and every later try run inside `host.unlocked`.
 pub(crate) fn block_on<T: Send>(
     inner: &Inner,
     host: &dyn Host,
     timeout: Option<Duration>,
-    mut attempt: impl FnMut(&Waiter) -> Result<Step<T>> + Send,
+    mut attempt: impl FnMut(bool) -> Result<Step<T>> + Send,
 ) -> Result<T> {
-    let mut waiter = Waiter::new(timeout);
-    let mut on = match attempt(&waiter)? {
+    let mut on = match attempt(false)? {
         Step::Done(t) => return Ok(t),
         Step::Blocked(on) => on,
     };
-    if waiter.expired() {
+    if timeout == Some(Duration::ZERO) {
         return Err(RingError::Timeout);
     }
+    let mut waiter = Waiter::new(timeout);
     let mut result = None;
     host.unlocked(&mut || {
         result = Some(loop {
             if let Err(e) = waiter.wait(inner, host, on) {
                 break Err(e);
             }
-            match attempt(&waiter) {
+            match attempt(waiter.patient()) {
                 Ok(Step::Done(t)) => {
                     waiter.finish(inner, on);
                     break Ok(t);
@@ -116,7 +118,7 @@ pub(crate) fn block_on<T: Send>(
 }
 
 /// Spin, then sleep on a futex in slices, until a deadline.
-pub(crate) struct Waiter {
+struct Waiter {
     start: Instant,
     deadline: Option<Instant>,
     next_check: Instant,
@@ -129,12 +131,8 @@ impl Waiter {
         Waiter { start, deadline: timeout.map(|t| start + t), next_check: start + CHECK_EVERY, slept: false }
     }
 
-    fn expired(&self) -> bool {
-        self.deadline.is_some_and(|d| Instant::now() >= d)
-    }
-
     /// True once we waited long enough that slow checks (liveness, orphan scans) are worth it.
-    pub(crate) fn patient(&self) -> bool {
+    fn patient(&self) -> bool {
         self.slept || self.start.elapsed() >= PATIENCE
     }
 
