@@ -36,6 +36,18 @@ class RewardError(ConfigError):
     """A reward that cannot be used: an unknown built-in, a bad pattern, or a reward function returning a non-number."""
 
 
+class RewardSpecError(RewardError):
+    """A built-in reward named in the config cannot be built (invalid regex, format bonus without a pattern)."""
+
+
+class RewardFatal(RewardError):
+    """The reward cannot be used at all: its factory failed, or it returned NaN/inf/a non-number."""
+
+
+class TaskError(ConfigError):
+    """A task.* setting that cannot work; the message names the field and the fix."""
+
+
 class PluginError(ConfigError):
     """User plugin problem; the message names the plugin and the fix (a config error: one line, no traceback)."""
 

@@ -23,7 +23,7 @@ NEEDS = ("generator.backend 'vllm' needs vLLM and a GPU; install with pip instal
          "or use backend hf")
 
 
-class VLLMUnavailable(ConfigError, RuntimeError):
+class VLLMUnavailable(ConfigError):
     """vLLM or a GPU is missing; the message says what to do."""
 
 

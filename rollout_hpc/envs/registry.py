@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout_hpc.errors import ConfigError
+from rollout_hpc.errors import ConfigError, TaskError
 from rollout_hpc.plugins import PluginError, checked_reward_fn, is_plugin_spec, load_plugin, load_reward
 from rollout_hpc.rewards import builtin_reward, is_builtin_reward
 
@@ -15,10 +15,6 @@ from .sokoban import SokobanTask
 
 BUILTIN_TASKS = {"arithmetic": ArithmeticTask, "sokoban": SokobanTask, "dataset": DatasetTask}
 NEEDS_REWARD = {"dataset"}  # tasks that bring prompts and answers but no reward of their own
-
-
-class TaskError(ConfigError):
-    """A task.* setting that cannot work; the message names the field and the fix."""
 
 
 class CheckedRewardTask:

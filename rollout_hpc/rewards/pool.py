@@ -34,17 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout_hpc.errors import RewardError
+from rollout_hpc.errors import RewardFatal
 from rollout_hpc.rewards import REWARD_ERROR, REWARD_OK, REWARD_TIMEOUT
 
 _HEADER = struct.Struct("<I")
 _MSG_OK, _MSG_ERROR, _MSG_BAD = 0, 1, 3
 _MAX_CHUNK = 32
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
-
-
-class RewardFatal(RewardError):
-    """The reward cannot be used at all: its factory failed, or it returned NaN/inf/a non-number."""
 
 
 @dataclass(frozen=True, slots=True)

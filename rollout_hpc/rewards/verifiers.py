@@ -23,11 +23,7 @@ import re
 from functools import lru_cache
 from typing import Any, Callable, Mapping
 
-from rollout_hpc.errors import RewardError
-
-
-class RewardSpecError(RewardError):
-    """A built-in reward named in the config cannot be built (invalid regex, format bonus without a pattern)."""
+from rollout_hpc.errors import RewardSpecError
 
 
 # ---------------------------------------------------------------------------------------------------- answers
