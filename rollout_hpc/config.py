@@ -20,6 +20,30 @@ from rollout_hpc.algos.table import ALGORITHM_NAMES  # torch-free: the algorithm
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
+# Values that reach the job script's #SBATCH lines are not shell-quoted there (sbatch reads them as they are), so
+# each is held to what Slurm accepts; a newline would end the #SBATCH line and start a shell command.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_SLURM_NAME = re.compile(r"[A-Za-z0-9_.+-]+(,[A-Za-z0-9_.+-]+)*")  # partition (or a list), account, qos
+_SLURM_CONSTRAINT = re.compile(r"[A-Za-z0-9_.,&|!*:\[\]()=-]+")  # feature expression, no spaces
+_SLURM_MEM = re.compile(r"\d+(\.\d+)?[KMGT]?B?")
+_SBATCH_OPTION = re.compile(r"--?[A-Za-z][A-Za-z0-9-]*([= ]\S.*)?")
+
+
+def _no_control(value: str, what: str) -> str:
+    if _CONTROL.search(value):
+        raise ValueError(f"{what} {value!r} contains a control character (newline, tab, ...); remove it")
+    return value
+
+
+def _slurm_value(value: str | None, pattern: re.Pattern, what: str, example: str) -> str | None:
+    if value is None:
+        return value
+    _no_control(value, what)
+    if not pattern.fullmatch(value):
+        raise ValueError(f"{value!r} is not a valid {what} for Slurm; write it like {example}")
+    return value
+
+
 class _Section(BaseModel):
     # Unknown keys are errors: a typo must never be silently ignored on a cluster.
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -68,7 +92,12 @@ class RunSection(_Section):
     def resolved_dir(self) -> Path:
         if not self.dir:
             return Path(f"runs/{self.name}")
-        return Path(os.path.expanduser(os.path.expandvars(self.dir)))
+        expanded = os.path.expanduser(os.path.expandvars(self.dir))
+        unset = re.search(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", expanded)
+        if unset:
+            raise ConfigError(f"run.dir '{self.dir}': the environment variable ${unset.group(1)} is not set here; "
+                              "set it, or write the path out")
+        return Path(expanded)
 
 
 class ModelSection(_Section):
@@ -178,6 +207,21 @@ class GroupSection(_Section):
     partition: str | None = Field(None, description="Partition for this group only (default: slurm.partition).")
     constraint: str | None = Field(None, description="Node features for this group only (default: slurm.constraint).")
 
+    @field_validator("mem")
+    @classmethod
+    def _mem_is_a_size(cls, v: str | None) -> str | None:
+        return _slurm_value(v, _SLURM_MEM, "memory size", "'64G', '500M' or '0' (all of a node's memory)")
+
+    @field_validator("partition")
+    @classmethod
+    def _partition_is_a_name(cls, v: str | None) -> str | None:
+        return _slurm_value(v, _SLURM_NAME, "partition name", "'gpu' or 'gpu,gpu-long'")
+
+    @field_validator("constraint")
+    @classmethod
+    def _constraint_is_an_expression(cls, v: str | None) -> str | None:
+        return _slurm_value(v, _SLURM_CONSTRAINT, "constraint", "'a100', 'a100&ib' or '[rack1|rack2]' (no spaces)")
+
     @field_validator("nodes", "tasks_per_node")
     @classmethod
     def _at_least_one(cls, v: int) -> int:
@@ -229,6 +273,18 @@ class ContainerSection(_Section):
     runtime: Literal["pyxis", "apptainer"] = "pyxis"
     mounts: list[str] = Field(default_factory=list)
 
+    @field_validator("image")
+    @classmethod
+    def _image(cls, v: str) -> str:
+        return _no_control(v, "slurm.container.image")
+
+    @field_validator("mounts")
+    @classmethod
+    def _mounts(cls, v: list[str]) -> list[str]:
+        for item in v:
+            _no_control(item, "slurm.container.mounts item")
+        return v
+
 
 class SlurmSection(_Section):
     partition: str | None = None
@@ -253,6 +309,28 @@ class SlurmSection(_Section):
         "(right for a venv on a shared filesystem), or python3 inside a container.",
     )
 
+    @field_validator("partition", "account", "qos")
+    @classmethod
+    def _names(cls, v: str | None, info) -> str | None:
+        return _slurm_value(v, _SLURM_NAME, info.field_name, "'gpu', 'proj123' or 'normal'")
+
+    @field_validator("constraint")
+    @classmethod
+    def _constraint(cls, v: str | None) -> str | None:
+        return _slurm_value(v, _SLURM_CONSTRAINT, "constraint", "'a100', 'a100&ib' or '[rack1|rack2]' (no spaces)")
+
+    @field_validator("modules", "extra_sbatch")
+    @classmethod
+    def _lines_have_no_control_characters(cls, v: list[str], info) -> list[str]:
+        for item in v:
+            _no_control(item, f"slurm.{info.field_name} item")
+        return v
+
+    @field_validator("python")
+    @classmethod
+    def _python_path(cls, v: str | None) -> str | None:
+        return None if v is None else _no_control(v, "slurm.python")
+
     @field_validator("time")
     @classmethod
     def _time_parses(cls, v: str) -> str:
@@ -263,7 +341,7 @@ class SlurmSection(_Section):
     @classmethod
     def _extra_are_options(cls, v: list[str]) -> list[str]:
         for line in v:
-            if not line.startswith("-"):
+            if not _SBATCH_OPTION.fullmatch(line):
                 raise ValueError(f"'{line}' is not an sbatch option; write it like '--mail-type=END'")
         return v
 
@@ -273,6 +351,7 @@ class SlurmSection(_Section):
         for name in v:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
                 raise ValueError(f"'{name}' is not an environment variable name; use letters, digits and '_'")
+            _no_control(v[name], f"slurm.env {name}")
         return v
 
     @property

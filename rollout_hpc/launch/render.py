@@ -105,6 +105,14 @@ def _group_options(cfg: Config, group: GroupSection) -> list[str]:
     return opts
 
 
+def _one_line(text: str, what: str) -> str:
+    """A value written into the script outside shell quoting (#SBATCH lines, the header comment) must stay on its line."""
+    if re.search(r"[\x00-\x1f\x7f]", text):
+        raise UserError(f"{what} {text!r} contains a control character (a newline would start a shell command in "
+                        "the job script); remove it from the config")
+    return text
+
+
 def components(cfg: Config, run_dir: Path) -> list[Component]:
     """Component 0 = generators (with the job-wide options), component 1 = trainers."""
     job_wide = [
@@ -116,10 +124,14 @@ def components(cfg: Config, run_dir: Path) -> list[Component]:
         f"--error={run_dir}/logs/slurm-%j.err",
         *cfg.slurm.extra_sbatch,
     ]
-    return [
+    out = [
         Component("generator", job_wide[:1] + _group_options(cfg, cfg.generator) + job_wide[1:]),
         Component("trainer", _group_options(cfg, cfg.trainer)),
     ]
+    for component in out:  # config validation refuses these already; the script must never depend on it
+        for option in component.options:
+            _one_line(option, "#SBATCH option")
+    return out
 
 
 def _step_prefixes(cfg: Config) -> tuple[list[str], list[str]]:
@@ -147,7 +159,7 @@ def render_script(cfg: Config, run_dir: Path, source: str = "(defaults)") -> str
     srun_args, exec_prefix = _step_prefixes(cfg)
     return template_env().get_template(CONFIG_TEMPLATE).render(
         version=__version__,
-        source=source,
+        source=re.sub(r"[\x00-\x1f\x7f]", "?", source),  # a comment line: a config path must not end it
         digest=cfg.digest(),
         components=components(cfg, run_dir),
         run_dir=run_dir,
