@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import yaml
 from rollout_hpc.errors import ConfigError, UserError  # noqa: F401  (re-exported: config.UserError)
-from rollout_hpc.algos.table import ALGORITHM_NAMES  # torch-free: the algorithm names come from the table
+from rollout_hpc.algos.table import ALGORITHM_NAMES, ALGORITHMS  # torch-free: the algorithm names come from the table
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
@@ -401,6 +401,17 @@ class Config(_Section):
                 "algorithm.kl_coef > 0 with warmup.sft_steps: the KL reference would be the model before the warm-up; "
                 "run the warm-up as its own run (run.program: sft) and start RL from it with model.init_from: RUN_DIR "
                 "(the reference is then the warmed-up model), or set algorithm.kl_coef: 0")
+        row = ALGORITHMS[self.algorithm.name]
+        if self.algorithm.group_size < row.min_group_size:
+            raise ValueError(
+                f"algorithm.group_size {self.algorithm.group_size} is too small for '{row.name}' ({row.advantage} "
+                f"advantages compare samples of one prompt): set algorithm.group_size to at least {row.min_group_size} "
+                "(4-16 is usual)")
+        if self.model.path is None and self.algorithm.max_new_tokens >= self.model.max_seq_len:
+            raise ValueError(
+                f"algorithm.max_new_tokens ({self.algorithm.max_new_tokens}) leaves no room for the prompt in the built-in "
+                f"model's context of model.max_seq_len {self.model.max_seq_len}: raise model.max_seq_len or lower "
+                "algorithm.max_new_tokens")
         if self.run.program == "sft" and self.warmup.sft_steps == 0:
             raise ValueError("run.program 'sft' trains warmup.sft_steps steps; set warmup.sft_steps (e.g. 200)")
         if self.slurm.signal_lead_seconds >= self.slurm.time_seconds:

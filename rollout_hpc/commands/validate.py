@@ -9,7 +9,7 @@ from rich.table import Table
 from rollout_hpc.commands import add_config_arguments, load, out
 from rollout_hpc.config import Config
 from rollout_hpc.envs.registry import check_task
-from rollout_hpc.models.export import check_init_from
+from rollout_hpc.launch.rundir import check_init_from, check_model_path
 from rollout_hpc.launch.submit import resolve_launcher
 
 
@@ -26,6 +26,7 @@ def summary_table(cfg: Config) -> Table:
 
 def run(args: argparse.Namespace) -> int:
     cfg = load(args)
+    check_model_path(cfg.model.path)
     task = check_task(cfg)  # reads and checks a dataset's files, the reward, the eval split
     check_init_from(cfg.model.init_from)
     out.print(summary_table(cfg))

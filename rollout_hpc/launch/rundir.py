@@ -19,6 +19,7 @@ import datetime as dt
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -28,10 +29,9 @@ from typing import Any, Callable, Iterator
 import yaml
 
 from rollout_hpc import __version__
-from rollout_hpc.config import Config, UserError
+from rollout_hpc.config import Config, ConfigError, UserError
 from rollout_hpc.envs.registry import check_task
-from rollout_hpc.models.export import check_init_from
-from rollout_hpc.rundir_layout import CONFIG_SNAPSHOT, DATA, JOB_SCRIPT, LOGS, MANIFEST, RESOLVED_CONFIG
+from rollout_hpc.rundir_layout import CHECKPOINTS, CONFIG_SNAPSHOT, DATA, JOB_SCRIPT, LOGS, MANIFEST, RESOLVED_CONFIG
 
 
 
@@ -78,6 +78,7 @@ def create_run_dir(
         (tmp / LOGS).mkdir()
         # A dataset task's rows are read, checked and frozen here (memory-mapped Arrow): errors before anything
         # is submitted, and every allocation of the run reads the same rows even if the source file changes.
+        check_model_path(cfg.model.path)
         task = check_task(cfg)
         check_init_from(cfg.model.init_from)
         if callable(getattr(task, "freeze", None)):
@@ -107,6 +108,36 @@ def create_run_dir(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return run_dir
+
+
+def check_model_path(path: str | None) -> None:
+    """model.path, checked on the login node without loading it: a directory with config.json and tokenizer files."""
+    if path is None:
+        return
+    where = Path(path).expanduser()
+    if not where.is_dir():
+        raise ConfigError(f"model.path {path} is not a directory; download the model first (README: compute nodes "
+                          "without internet) or remove model.path for the built-in tiny model")
+    missing = [name for name in ("config.json",) if not (where / name).is_file()]
+    if not any(where.glob("tokenizer*")):
+        missing.append("tokenizer files (tokenizer.json or tokenizer_config.json)")
+    if missing:
+        raise ConfigError(f"model.path {path} is not a Hugging Face model directory: it has no {', '.join(missing)}")
+
+
+def check_init_from(spec: str | None) -> None:
+    """What submit and validate check of model.init_from, without reading weights (nor importing torch): a run
+    directory with checkpoints, or one checkpoint file. The ranks read and verify it (models.export.init_weights)."""
+    if not spec:
+        return
+    path = Path(spec).expanduser()
+    if re.fullmatch(r"step-\d+(\.h5)?", path.name) and path.parent.name == CHECKPOINTS:
+        if not path.exists():
+            raise ConfigError(f"model.init_from {spec}: no such checkpoint")
+    elif not path.is_dir():
+        raise ConfigError(f"model.init_from {spec}: no such run directory or checkpoint (RUN_DIR/{CHECKPOINTS}/step-N.h5)")
+    elif not any((path / CHECKPOINTS).glob("step-*")):
+        raise ConfigError(f"model.init_from {spec}: that run has no checkpoints ({path / CHECKPOINTS} is empty)")
 
 
 def remove_run_dir(run_dir: Path) -> None:

@@ -414,13 +414,11 @@ def read_export_info(directory: str | Path, verify: bool = False) -> dict:
 def resolve_init_from(spec: str) -> tuple[Path, int | None]:
     """model.init_from -> (run directory, checkpoint step or None for the newest valid one)."""
     path = Path(spec).expanduser()
-    if path.is_file():
-        match = re.fullmatch(r"step-(\d+)\.h5", path.name)
-        if not match or path.parent.name != "checkpoints":
-            raise ExportError(f"model.init_from {spec}: a checkpoint file is RUN_DIR/checkpoints/step-N.h5")
+    match = re.fullmatch(r"step-(\d+)(\.h5)?", path.name)
+    if match and path.parent.name == "checkpoints":  # one checkpoint: a file, or a sharded checkpoint's directory
         return path.parent.parent, int(match.group(1))
     if not path.is_dir():
-        raise ExportError(f"model.init_from {spec}: no such run directory or checkpoint file")
+        raise ExportError(f"model.init_from {spec}: no such run directory or checkpoint (RUN_DIR/checkpoints/step-N.h5)")
     return path, None
 
 
@@ -432,13 +430,3 @@ def init_weights(spec: str) -> PolicyCheckpoint:
     except ExportError as exc:
         raise ExportError(f"model.init_from {spec}: {exc}") from None
 
-
-def check_init_from(spec: str | None) -> None:
-    """What submit and validate check of model.init_from without reading weights: the path, and a checkpoint there."""
-    if not spec:
-        return
-    from rollout_hpc.store.checkpoint import list_checkpoints
-
-    run_dir, step = resolve_init_from(spec)
-    if step is None and not list_checkpoints(run_dir):
-        raise ExportError(f"model.init_from {spec}: that run has no checkpoints yet")

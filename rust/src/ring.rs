@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use crate::attach::{Inner, ROLE_CONSUMER, ROLE_PRODUCER};
 use crate::error::{Result, RingError};
-use crate::protocol::Next;
+use crate::protocol::{Next, SlotSink};
 use crate::record::{rec_size, Slot, HDR};
 use crate::segment::Segment;
 use crate::sys;
@@ -196,12 +196,7 @@ impl Ring {
         Ok(n)
     }
 
-    fn reserve_into<S: crate::protocol::SlotSink + Send>(
-        &self,
-        lens: &[usize],
-        out: &mut S,
-        timeout: Option<Duration>,
-    ) -> Result<()> {
+    fn reserve_into<S: SlotSink + Send>(&self, lens: &[usize], out: &mut S, timeout: Option<Duration>) -> Result<()> {
         let inner = &*self.inner;
         if lens.is_empty() {
             return Ok(());
