@@ -193,7 +193,12 @@ def test_local_run_stops_and_leaves_no_ranks(tmp_path, stop):
 
 
 def test_local_run_failure_returns_mpiruns_code(tmp_path):
-    done = cli("submit", str(QUICKSTART), "--local", "--set", "model.path=/nonexistent/model", cwd=tmp_path, timeout=300)
+    # A directory that passes the login-node check (config.json, tokenizer files) but is no model: the ranks fail.
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text('{"model_type": "nonsense-model"}')
+    (tmp_path / "broken" / "tokenizer_config.json").write_text("{}")
+    done = cli("submit", str(QUICKSTART), "--local", "--set", f"model.path={tmp_path / 'broken'}", cwd=tmp_path,
+               timeout=300)
     manifest = json.loads((tmp_path / "runs" / "quickstart" / "manifest.json").read_text())
     recorded = manifest["local_runs"][0]["exit_code"]
     assert recorded not in (None, 0) and done.returncode == recorded
