@@ -14,7 +14,8 @@ from rollout_hpc.launch.submit import resolve_launcher, sbatch
 
 
 def run(args: argparse.Namespace) -> int:
-    plan = plan_resume(args.run_dir, args.overrides, force=args.force, dry_run=args.dry_run)
+    plan = plan_resume(args.run_dir, args.overrides, force=args.force, dry_run=args.dry_run,
+                       from_scratch=args.from_scratch)
     launcher = resolve_launcher(plan.cfg, force_local=args.local)
     if launcher == "local":
         require_mpirun()
@@ -74,5 +75,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="load the checkpoint even if the model or algorithm config changed (the changes are listed)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="change one config value for this and later allocations (repeatable; VALUE is YAML)")
+    p.add_argument("--from-scratch", action="store_true",
+                   help="with no valid checkpoint left, start again at step 0 (the old trajectory log is kept aside)")
     p.add_argument("--dry-run", action="store_true", help="say which checkpoint and config would be used; launch nothing")
     p.set_defaults(func=run)

@@ -40,6 +40,7 @@ class ResumePlan:
     config_changes: list[str] = field(default_factory=list)   # every key that differs from the checkpoint's config
     damaged: list[str] = field(default_factory=list)          # one line per damaged checkpoint moved aside
     force: bool = False
+    discard_log: bool = False       # --from-scratch over a log of N steps: apply_plan moves the log aside
 
     @property
     def finished(self) -> bool:
@@ -86,7 +87,22 @@ def newest_valid_checkpoint(run_dir: Path, move_aside: bool = True) -> tuple[obj
     return None
 
 
-def plan_resume(run_dir: Path, overrides: list[str], force: bool = False, dry_run: bool = False) -> ResumePlan:
+def logged_steps(run_dir: Path) -> int | None:
+    """Steps the run's trajectory log holds (None: no log; -1: a log that cannot be read)."""
+    from rollout_hpc.store.trajlog import TrajectoryReader  # in here: h5py; the CLI must start fast
+
+    path = run_dir / rundir.TRAJECTORY_LOG
+    if not path.exists():
+        return None
+    try:
+        with TrajectoryReader(path) as reader:
+            return int(reader.metric_rows)
+    except Exception:  # noqa: BLE001 - any unreadable log counts as one that holds something
+        return -1
+
+
+def plan_resume(run_dir: Path, overrides: list[str], force: bool = False, dry_run: bool = False,
+                from_scratch: bool = False) -> ResumePlan:
     from rollout_hpc.store.checkpoint import check_compatible  # in here: imports torch; the CLI must start fast
 
     run_dir = Path(os.path.abspath(run_dir))
@@ -105,6 +121,16 @@ def plan_resume(run_dir: Path, overrides: list[str], force: bool = False, dry_ru
     plan = ResumePlan(run_dir, cfg, list(overrides), force=force)
     found = newest_valid_checkpoint(run_dir, move_aside=not dry_run)
     if found is None:
+        steps = logged_steps(run_dir)
+        if steps:  # a log of earlier work and no checkpoint to continue it from: never drop it silently
+            what = "an unreadable trajectory log" if steps < 0 else f"a trajectory log of {steps} logged steps"
+            if not from_scratch:
+                aside = sorted(p.name for p in (run_dir / rundir.CHECKPOINTS).glob(f"*{DAMAGED_SUFFIX}"))
+                raise UserError(
+                    f"{run_dir} has no valid checkpoint ({'set aside as damaged: ' + ', '.join(aside) if aside else 'none written'}) "
+                    f"but {what}; a resume would start again at step 0 and discard them. Restore a checkpoint, or "
+                    f"pass --from-scratch to start over (the old log is kept as trajectories.discarded-<time>.h5)")
+            plan.discard_log = True
         return plan
     info, meta, plan.damaged = found
     plan.step, plan.checkpoint = info.step, info.path
@@ -117,7 +143,13 @@ def plan_resume(run_dir: Path, overrides: list[str], force: bool = False, dry_ru
 
 
 def apply_plan(plan: ResumePlan, launcher: str) -> None:
-    """Write what the new allocation reads: the resolved config (with the overrides) and, for Slurm, its job script."""
+    """Write what the new allocation reads: the resolved config (with the overrides) and, for Slurm, its job script;
+    with --from-scratch, move the old trajectory log aside (kept, never deleted)."""
+    if plan.discard_log:
+        log = plan.run_dir / rundir.TRAJECTORY_LOG
+        if log.exists():
+            stamp = rundir.now_utc().replace(":", "").replace("-", "")
+            os.replace(log, log.with_name(f"trajectories.discarded-{stamp}.h5"))
     path = plan.run_dir / rundir.RESOLVED_CONFIG
     text = yaml.safe_dump(plan.cfg.resolved(), sort_keys=False)
     if plan.overrides:

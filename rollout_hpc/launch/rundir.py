@@ -31,7 +31,8 @@ import yaml
 from rollout_hpc import __version__
 from rollout_hpc.config import Config, ConfigError, UserError
 from rollout_hpc.envs.registry import check_task
-from rollout_hpc.rundir_layout import CHECKPOINTS, CONFIG_SNAPSHOT, DATA, JOB_SCRIPT, LOGS, MANIFEST, RESOLVED_CONFIG
+from rollout_hpc.rundir_layout import (CHECKPOINTS, CONFIG_SNAPSHOT, DATA, JOB_SCRIPT, LOGS, MANIFEST, RESOLVED_CONFIG,
+                                      TRAJECTORY_LOG)
 
 
 
