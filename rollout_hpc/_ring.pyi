@@ -6,7 +6,8 @@ Blocking calls release the GIL and run signal handlers every 0.1 s while they wa
 tests/test_ring_stub.py checks that this file and the module export the same names.
 """
 
-from typing import Final, Iterable, TypedDict, final
+from collections.abc import Iterable
+from typing import Final, TypedDict, final
 
 from typing_extensions import Buffer
 

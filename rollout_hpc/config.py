@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from rollout_hpc.errors import ConfigError, UserError  # noqa: F401  (re-exported: config.UserError)
-from rollout_hpc.algos.table import ALGORITHM_NAMES, ALGORITHMS  # torch-free: the algorithm names come from the table
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from rollout_hpc.algos.table import ALGORITHM_NAMES, ALGORITHMS  # torch-free: the algorithm names come from the table
+from rollout_hpc.errors import ConfigError, UserError  # noqa: F401  (re-exported: config.UserError)
 
 # Values that reach the job script's #SBATCH lines are not shell-quoted there (sbatch reads them as they are), so
 # each is held to what Slurm accepts; a newline would end the #SBATCH line and start a shell command.
@@ -49,8 +49,6 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-
-
 def parse_slurm_time(text: str) -> int:
     """Seconds in a Slurm time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
     text = text.strip()
@@ -66,20 +64,20 @@ def parse_slurm_time(text: str) -> int:
         if len(nums) == 2:
             return nums[0] * 60 + nums[1]
         return (nums[0] * 60 + nums[1]) * 60 + nums[2]
-    raise ValueError(
-        f"'{text}' is not a Slurm time limit; use MM, MM:SS, HH:MM:SS or D-HH:MM:SS (e.g. 02:00:00)"
-    )
+    raise ValueError(f"'{text}' is not a Slurm time limit; use MM, MM:SS, HH:MM:SS or D-HH:MM:SS (e.g. 02:00:00)")
 
 
 class RunSection(_Section):
     name: str = Field("quickstart", description="Run name; also names shared-memory segments.")
     dir: str | None = Field(
-        None, description="Run directory (default: runs/<name>). Put it on the shared filesystem; $VARS and ~ are expanded."
+        None,
+        description="Run directory (default: runs/<name>). Put it on the shared filesystem; $VARS and ~ are expanded.",
     )
     seed: int = Field(0, description="Global seed; every rank derives its own from it.")
     program: Literal["train", "sft", "hello"] = Field(
-        "train", description="What the ranks run: 'train' (warmup.sft_steps of SFT, if any, then the RL loop), 'sft' "
-        "(only the warm-up: supervised fine-tuning on the dataset's answers), or 'hello' (prove the MPI world and exit)."
+        "train",
+        description="What the ranks run: 'train' (warmup.sft_steps of SFT, if any, then the RL loop), 'sft' "
+        "(only the warm-up: supervised fine-tuning on the dataset's answers), or 'hello' (prove the MPI world and exit).",
     )
 
     @field_validator("name")
@@ -95,16 +93,20 @@ class RunSection(_Section):
         expanded = os.path.expanduser(os.path.expandvars(self.dir))
         unset = re.search(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", expanded)
         if unset:
-            raise ConfigError(f"run.dir '{self.dir}': the environment variable ${unset.group(1)} is not set here; "
-                              "set it, or write the path out")
+            raise ConfigError(
+                f"run.dir '{self.dir}': the environment variable ${unset.group(1)} is not set here; "
+                "set it, or write the path out"
+            )
         return Path(expanded)
 
 
 class ModelSection(_Section):
     path: str | None = Field(None, description="Local Hugging Face causal-LM directory. None = built-in tiny model.")
     init_from: str | None = Field(
-        None, description="Start from the weights of another run: its directory (the newest valid checkpoint) or one "
-        "checkpoint file (RUN_DIR/checkpoints/step-N.h5), e.g. an SFT run (run.program: sft). Same model.* otherwise.")
+        None,
+        description="Start from the weights of another run: its directory (the newest valid checkpoint) or one "
+        "checkpoint file (RUN_DIR/checkpoints/step-N.h5), e.g. an SFT run (run.program: sft). Same model.* otherwise.",
+    )
     # Built-in tiny model (random init from this config, tokenizer made in code).
     hidden_size: int = Field(64, gt=0)
     num_layers: int = Field(2, gt=0)
@@ -113,7 +115,7 @@ class ModelSection(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
     @model_validator(mode="after")
-    def _heads_divide_hidden(self) -> "ModelSection":
+    def _heads_divide_hidden(self) -> ModelSection:
         if self.path is None and self.hidden_size % self.num_heads:
             raise ValueError(
                 f"model.hidden_size ({self.hidden_size}) must be a multiple of model.num_heads ({self.num_heads})"
@@ -122,15 +124,30 @@ class ModelSection(_Section):
 
 
 class TaskSection(_Section):
-    name: str = Field("arithmetic", description="Built-in task (arithmetic, sokoban, dataset) or plugin 'pkg.mod:attr' / 'file.py:attr'.")
+    name: str = Field(
+        "arithmetic",
+        description="Built-in task (arithmetic, sokoban, dataset) or plugin 'pkg.mod:attr' / 'file.py:attr'.",
+    )
     reward: str | None = Field(
-        None, description="The reward: built-in 'math', 'exact' or 'regex:PATTERN', or a plugin 'pkg.mod:fn' / 'file.py:fn' "
-        "fn(prompt_item, response_text) -> float; overrides the task's own. Required for task.name 'dataset'.")
-    format_reward: float = Field(0.0, ge=0, description="Weight of a format bonus added to built-in rewards "
-                                 "(math: the response has a \\boxed{} answer; with format_pattern: the regex is found).")
-    format_pattern: str | None = Field(None, description="Regex a well-formatted response contains (for format_reward).")
-    reward_timeout: float = Field(10.0, gt=0, description="Seconds one sample's reward may take; past it the sample "
-                                  "scores 0 and counts as a reward error (the run goes on).")
+        None,
+        description="The reward: built-in 'math', 'exact' or 'regex:PATTERN', or a plugin 'pkg.mod:fn' / 'file.py:fn' "
+        "fn(prompt_item, response_text) -> float; overrides the task's own. Required for task.name 'dataset'.",
+    )
+    format_reward: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of a format bonus added to built-in rewards "
+        "(math: the response has a \\boxed{} answer; with format_pattern: the regex is found).",
+    )
+    format_pattern: str | None = Field(
+        None, description="Regex a well-formatted response contains (for format_reward)."
+    )
+    reward_timeout: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds one sample's reward may take; past it the sample "
+        "scores 0 and counts as a reward error (the run goes on).",
+    )
     reward_workers: int = Field(2, ge=1, description="Reward worker processes per generator rank.")
     params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the task.")
 
@@ -138,21 +155,31 @@ class TaskSection(_Section):
 class WarmupSection(_Section):
     """Supervised warm-up before RL: teacher-forced training on the task's (prompt, answer) pairs, in the same run."""
 
-    sft_steps: int = Field(0, ge=0, description="SFT steps before the first RL step (0: none). With run.program 'sft' "
-                           "the run is these steps only.")
-    batch_size: int | None = Field(None, gt=0, description="(prompt, answer) pairs per SFT step "
-                                   "(default: algorithm.prompts_per_step x algorithm.group_size).")
+    sft_steps: int = Field(
+        0,
+        ge=0,
+        description="SFT steps before the first RL step (0: none). With run.program 'sft' the run is these steps only.",
+    )
+    batch_size: int | None = Field(
+        None,
+        gt=0,
+        description="(prompt, answer) pairs per SFT step (default: algorithm.prompts_per_step x algorithm.group_size).",
+    )
     lr: float | None = Field(None, gt=0, description="SFT learning rate (default: algorithm.lr); constant.")
 
 
 class EvalSection(_Section):
     """Validation during training: the task's held-out prompts, generated by the current policy, not trained on."""
 
-    every_steps: int = Field(10, ge=0, description="Evaluate every N steps (0: only at the end); always after the last step.")
+    every_steps: int = Field(
+        10, ge=0, description="Evaluate every N steps (0: only at the end); always after the last step."
+    )
     at_start: bool = Field(True, description="Also evaluate the initial policy, before the first update.")
     samples_per_prompt: int = Field(1, ge=1, description="k: samples per eval prompt (pass@k, mean@k).")
     greedy: bool = Field(True, description="Temperature 0 when samples_per_prompt is 1.")
-    max_prompts: int | None = Field(None, ge=1, description="Evaluate at most this many held-out prompts (default: all).")
+    max_prompts: int | None = Field(
+        None, ge=1, description="Evaluate at most this many held-out prompts (default: all)."
+    )
     max_new_tokens: int | None = Field(None, gt=0, description="Default: algorithm.max_new_tokens.")
     pass_threshold: float = Field(1.0, description="A sample counts as correct when its reward is at least this.")
 
@@ -174,28 +201,55 @@ class AlgorithmSection(_Section):
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(0.95, ge=0, le=1)
-    dynamic_sampling: bool = Field(False, description="Drop groups whose rewards are all equal and refill the step with new prompts (on by default for dapo).")
+    dynamic_sampling: bool = Field(
+        False,
+        description="Drop groups whose rewards are all equal and refill the step with new prompts (on by default for dapo).",
+    )
     dynamic_sampling_max_rounds: int = Field(
-        3, ge=1, description="Dynamic sampling: at most this many generation rounds per step (1 = drop without refilling).")
+        3,
+        ge=1,
+        description="Dynamic sampling: at most this many generation rounds per step (1 = drop without refilling).",
+    )
     overlong_buffer: int = Field(0, ge=0, description="DAPO overlong shaping: penalty ramps over the last N tokens.")
     overlong_penalty: float = Field(1.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
-        "constant", description="Learning rate after warmup: constant, or linear / cosine decay to lr * min_lr_ratio at the "
-        "last optimizer step (steps x mini_batches x epochs).")
+        "constant",
+        description="Learning rate after warmup: constant, or linear / cosine decay to lr * min_lr_ratio at the "
+        "last optimizer step (steps x mini_batches x epochs).",
+    )
     warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warmup from lr / warmup_steps to lr.")
-    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="linear / cosine: the final learning rate as a fraction of lr.")
+    min_lr_ratio: float = Field(
+        0.0, ge=0, le=1, description="linear / cosine: the final learning rate as a fraction of lr."
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay (all parameters, as verl).")
     adam_betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW (beta1, beta2).")
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
-    mini_batches: int = Field(1, ge=1, description="Optimizer updates per step: the step's batch (each rank's share) is "
-                              "split into this many mini-batches (PPO; verl ppo_mini_batch_size).")
-    epochs: int = Field(1, ge=1, description="Passes over the step's batch; the ratio is taken against the behaviour "
-                        "policy's log-probs (the generators'), so updates after the first are clipped as in PPO.")
-    value_clip: float = Field(0.2, gt=0, description="PPO critic: value-loss clip range around the old values (a large value turns clipping off).")
-    critic_lr: float | None = Field(None, gt=0, description="PPO critic: its optimizer's learning rate (default: algorithm.lr).")
-    stop: list[str] = Field(default_factory=list, description="Stop strings: a response ends once its text contains one "
-                            "(the tokenizer's EOS and generation_config.json eos_token_id end it too).")
+    mini_batches: int = Field(
+        1,
+        ge=1,
+        description="Optimizer updates per step: the step's batch (each rank's share) is "
+        "split into this many mini-batches (PPO; verl ppo_mini_batch_size).",
+    )
+    epochs: int = Field(
+        1,
+        ge=1,
+        description="Passes over the step's batch; the ratio is taken against the behaviour "
+        "policy's log-probs (the generators'), so updates after the first are clipped as in PPO.",
+    )
+    value_clip: float = Field(
+        0.2,
+        gt=0,
+        description="PPO critic: value-loss clip range around the old values (a large value turns clipping off).",
+    )
+    critic_lr: float | None = Field(
+        None, gt=0, description="PPO critic: its optimizer's learning rate (default: algorithm.lr)."
+    )
+    stop: list[str] = Field(
+        default_factory=list,
+        description="Stop strings: a response ends once its text contains one "
+        "(the tokenizer's EOS and generation_config.json eos_token_id end it too).",
+    )
 
 
 class GroupSection(_Section):
@@ -245,13 +299,21 @@ class TrainerSection(GroupSection):
     tensor_parallel: int = Field(1, ge=1)
     pipeline_parallel: int = Field(1, ge=1)
     max_tokens_per_microbatch: int | None = Field(
-        None, gt=0, description="Split each rank's share of a mini-batch into micro-batches of at most this many padded "
-        "tokens (rows x longest row), accumulating gradients: the update equals the unsplit one (None: one micro-batch).")
+        None,
+        gt=0,
+        description="Split each rank's share of a mini-batch into micro-batches of at most this many padded "
+        "tokens (rows x longest row), accumulating gradients: the update equals the unsplit one (None: one micro-batch).",
+    )
     micro_batch_size: int | None = Field(None, gt=0, description="At most this many sequences per micro-batch.")
     logprob_chunk_tokens: int | None = Field(
-        1024, gt=0, description="Project hidden states to vocabulary logits this many tokens at a time (recomputed in "
-        "backward), so full-vocabulary fp32 logits never exist for a whole micro-batch (None: full logits).")
-    gradient_checkpointing: bool = Field(False, description="Recompute each layer's activations in backward (HF models).")
+        1024,
+        gt=0,
+        description="Project hidden states to vocabulary logits this many tokens at a time (recomputed in "
+        "backward), so full-vocabulary fp32 logits never exist for a whole micro-batch (None: full logits).",
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute each layer's activations in backward (HF models)."
+    )
 
 
 class ExchangeSection(_Section):
@@ -298,10 +360,13 @@ class SlurmSection(_Section):
     mpi: Literal["pmix", "pmix_v3", "pmix_v4", "pmi2", "none"] = "pmix"
     modules: list[str] = Field(default_factory=list, description="`module load` lines, in order.")
     container: ContainerSection | None = None
-    extra_sbatch: list[str] = Field(default_factory=list, description="Extra '#SBATCH' options, e.g. '--mail-type=END'.")
+    extra_sbatch: list[str] = Field(
+        default_factory=list, description="Extra '#SBATCH' options, e.g. '--mail-type=END'."
+    )
     env: dict[str, str] = Field(default_factory=dict, description="Environment exported in the job.")
     gpu_request: Literal["gpus-per-task", "gres"] = Field(
-        "gpus-per-task", description="How GPUs are requested: --gpus-per-task=N, or --gres=gpu:N per node (older clusters)."
+        "gpus-per-task",
+        description="How GPUs are requested: --gpus-per-task=N, or --gres=gpu:N per node (older clusters).",
     )
     python: str | None = Field(
         None,
@@ -374,7 +439,7 @@ class Config(_Section):
     launcher: Literal["auto", "slurm", "local"] = "auto"
 
     @model_validator(mode="after")
-    def _feasible(self) -> "Config":
+    def _feasible(self) -> Config:
         cap = self.slurm.gpus_per_node
         for name in ("generator", "trainer"):
             g: GroupSection = getattr(self, name)
@@ -387,31 +452,38 @@ class Config(_Section):
         if self.generator.backend == "vllm" and self.generator.gpus_per_task < 1:
             raise ValueError("generator.backend 'vllm' needs generator.gpus_per_task >= 1; use backend 'hf' on CPUs")
         if self.trainer.backend == "megatron" and self.trainer.gpus_per_task < 1:
-            raise ValueError("trainer.backend 'megatron' needs trainer.gpus_per_task >= 1; use 'torch' or 'deepspeed' on CPUs")
+            raise ValueError(
+                "trainer.backend 'megatron' needs trainer.gpus_per_task >= 1; use 'torch' or 'deepspeed' on CPUs"
+            )
         if self.trainer.backend == "megatron" and self.trainer.pipeline_parallel > 1:
             raise ValueError(
                 "trainer.pipeline_parallel > 1 is not wired into the RL loop yet; set it to 1 and split the model with "
-                "trainer.tensor_parallel (the remaining trainer ranks are data parallel)")
+                "trainer.tensor_parallel (the remaining trainer ranks are data parallel)"
+            )
         if self.trainer.backend == "megatron" and self.algorithm.name == "ppo":
             raise ValueError(
                 "algorithm.name 'ppo' needs a critic, which trainer.backend 'megatron' does not have; use trainer.backend "
-                "'deepspeed' (zero_stage 3 shards policy and critic) or 'torch', or a critic-free algorithm (grpo, dapo, rloo, reinforce_pp)")
+                "'deepspeed' (zero_stage 3 shards policy and critic) or 'torch', or a critic-free algorithm (grpo, dapo, rloo, reinforce_pp)"
+            )
         if self.warmup.sft_steps and self.run.program == "train" and self.algorithm.kl_coef > 0:
             raise ValueError(
                 "algorithm.kl_coef > 0 with warmup.sft_steps: the KL reference would be the model before the warm-up; "
                 "run the warm-up as its own run (run.program: sft) and start RL from it with model.init_from: RUN_DIR "
-                "(the reference is then the warmed-up model), or set algorithm.kl_coef: 0")
+                "(the reference is then the warmed-up model), or set algorithm.kl_coef: 0"
+            )
         row = ALGORITHMS[self.algorithm.name]
         if self.algorithm.group_size < row.min_group_size:
             raise ValueError(
                 f"algorithm.group_size {self.algorithm.group_size} is too small for '{row.name}' ({row.advantage} "
                 f"advantages compare samples of one prompt): set algorithm.group_size to at least {row.min_group_size} "
-                "(4-16 is usual)")
+                "(4-16 is usual)"
+            )
         if self.model.path is None and self.algorithm.max_new_tokens >= self.model.max_seq_len:
             raise ValueError(
                 f"algorithm.max_new_tokens ({self.algorithm.max_new_tokens}) leaves no room for the prompt in the built-in "
                 f"model's context of model.max_seq_len {self.model.max_seq_len}: raise model.max_seq_len or lower "
-                "algorithm.max_new_tokens")
+                "algorithm.max_new_tokens"
+            )
         if self.run.program == "sft" and self.warmup.sft_steps == 0:
             raise ValueError("run.program 'sft' trains warmup.sft_steps steps; set warmup.sft_steps (e.g. 200)")
         if self.slurm.signal_lead_seconds >= self.slurm.time_seconds:
@@ -441,6 +513,7 @@ class Config(_Section):
 
 
 # --- loading -----------------------------------------------------------------
+
 
 def _key_lines(node: yaml.Node, prefix: tuple = ()) -> dict[tuple, int]:
     """Map each key path in a composed YAML tree to its 1-based line."""
@@ -523,7 +596,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         p = Path(path)
         source = str(p)
         if not p.is_file():
-            raise ConfigError(f"config file {p} not found; pass the path of a YAML file such as configs/quickstart.yaml")
+            raise ConfigError(
+                f"config file {p} not found; pass the path of a YAML file such as configs/quickstart.yaml"
+            )
         text = p.read_text()
         try:
             node = yaml.compose(text)
@@ -535,7 +610,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if data is None:
             data = {}
         if not isinstance(data, dict):
-            raise ConfigError(f"{p}: the top level must be a mapping of sections (run:, model:, ...), not a {type(data).__name__}")
+            raise ConfigError(
+                f"{p}: the top level must be a mapping of sections (run:, model:, ...), not a {type(data).__name__}"
+            )
         if node is not None:
             lines = _key_lines(node)
     data = apply_overrides(data, overrides)

@@ -13,8 +13,9 @@ import importlib.util
 import math
 import numbers
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rollout_hpc.errors import PluginError
 
@@ -28,7 +29,11 @@ def load_plugin(spec: str, field: str = "plugin") -> Any:
     source, sep, attr = spec.rpartition(":")
     if not sep or not source or not attr:
         raise PluginError(f"{field} '{spec}': expected 'package.module:attr' or 'path/to/file.py:attr'")
-    module = _import_file(source, spec, field) if source.endswith(".py") or "/" in source else _import_module(source, spec, field)
+    module = (
+        _import_file(source, spec, field)
+        if source.endswith(".py") or "/" in source
+        else _import_module(source, spec, field)
+    )
     try:
         return getattr(module, attr)
     except AttributeError:

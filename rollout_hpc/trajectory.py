@@ -88,11 +88,11 @@ class TrajectoryBatch:
 
     # --- construction ----------------------------------------------------
     @classmethod
-    def empty(cls) -> "TrajectoryBatch":
+    def empty(cls) -> TrajectoryBatch:
         return cls(np.zeros(0, FIXED_DTYPE), *(np.zeros(0, dt) for _, dt, _ in RAGGED))
 
     @classmethod
-    def from_records(cls, records: list[dict]) -> "TrajectoryBatch":
+    def from_records(cls, records: list[dict]) -> TrajectoryBatch:
         """Build from dicts with fixed fields plus ragged lists (missing ragged = empty,
         missing loss_mask = all ones, missing turn_starts = one turn at 0)."""
         given = {name for r in records for name in r}
@@ -100,7 +100,7 @@ class TrajectoryBatch:
         return cls.from_columns(len(records), fixed, {name: [r.get(name) for r in records] for name, _, _ in RAGGED})
 
     @classmethod
-    def from_columns(cls, n: int, fixed: dict, ragged: dict) -> "TrajectoryBatch":
+    def from_columns(cls, n: int, fixed: dict, ragged: dict) -> TrajectoryBatch:
         """Build n rows from columns: `fixed` maps fixed field names to one value or n values; `ragged`
         maps ragged names to n sequences (a missing column or a None row gets from_records' default).
         The lengths come from the ragged sequences."""
@@ -131,7 +131,7 @@ class TrajectoryBatch:
         return cls(out, *flat)
 
     @classmethod
-    def concat(cls, batches: list["TrajectoryBatch"]) -> "TrajectoryBatch":
+    def concat(cls, batches: list[TrajectoryBatch]) -> TrajectoryBatch:
         if not batches:
             return cls.empty()
         return cls(
@@ -155,7 +155,7 @@ class TrajectoryBatch:
             out[name] = getattr(self, name)[off[i] : off[i + 1]]
         return out
 
-    def select(self, index) -> "TrajectoryBatch":
+    def select(self, index) -> TrajectoryBatch:
         """Rows `index` (indices or boolean mask) as a new batch."""
         idx = np.arange(len(self))[index]
         parts = {}
@@ -238,7 +238,7 @@ class TrajectoryBatch:
         return n, (sizes[1] + sizes[2]) // 4  # prompt_ids + response_ids, int32 each
 
     @classmethod
-    def unpack(cls, buf) -> "TrajectoryBatch":
+    def unpack(cls, buf) -> TrajectoryBatch:
         """Read a packed batch; arrays are views into `buf` (copy them to keep them past its life)."""
         view = memoryview(buf).cast("B")
         n, sizes = cls._check_header(view)
@@ -251,5 +251,7 @@ class TrajectoryBatch:
         for name, _, length_field in RAGGED:
             expect = int(batch.fixed[length_field].sum())
             if len(getattr(batch, name)) != expect:
-                raise LayoutError(f"corrupt trajectory batch: {name} has {len(getattr(batch, name))} entries, lengths say {expect}")
+                raise LayoutError(
+                    f"corrupt trajectory batch: {name} has {len(getattr(batch, name))} entries, lengths say {expect}"
+                )
         return batch

@@ -29,8 +29,16 @@ CLUSTER_SCRIPT = REPO_ROOT / "tools" / "slurm_cluster.sh"
 
 # Job states after which Slurm will not run the job again by itself (a requeued job goes back to PENDING).
 TERMINAL_STATES = {
-    "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
-    "OUT_OF_MEMORY", "SPECIAL_EXIT",
+    "COMPLETED",
+    "CANCELLED",
+    "FAILED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "OUT_OF_MEMORY",
+    "SPECIAL_EXIT",
 }
 
 
@@ -47,7 +55,9 @@ class SlurmCluster:
 
     def run(self, *argv: str, check: bool = True, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
         """Runs a Slurm client command (sbatch, squeue, scontrol ...) against this cluster; text output."""
-        return subprocess.run(argv, env=self.env, check=check, timeout=timeout, capture_output=True, text=True, **kwargs)
+        return subprocess.run(
+            argv, env=self.env, check=check, timeout=timeout, capture_output=True, text=True, **kwargs
+        )
 
     def sbatch(self, script: str | os.PathLike, *args: str, cwd: str | os.PathLike | None = None) -> int:
         """Submits a batch script (a path) and returns the job id (for a het job: the leader's id)."""
@@ -120,8 +130,9 @@ def _cluster_dir() -> Path:
 
 def _script(action: str, cluster_dir: Path, leased: bool = False) -> subprocess.CompletedProcess:
     env = dict(os.environ, ROLLOUT_SLURM_LEASED="1") if leased else None
-    return subprocess.run(["bash", str(CLUSTER_SCRIPT), action, str(cluster_dir)], capture_output=True, text=True,
-                          timeout=180, env=env)
+    return subprocess.run(
+        ["bash", str(CLUSTER_SCRIPT), action, str(cluster_dir)], capture_output=True, text=True, timeout=180, env=env
+    )
 
 
 @contextmanager
@@ -179,8 +190,13 @@ def slurm_cluster() -> SlurmCluster:
     with _lease_lock(cluster_dir):
         my_lease.unlink(missing_ok=True)
         keep = os.environ.get("ROLLOUT_SLURM_KEEP") == "1" or (lease_dir / "keep").exists()
-        queue = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=60,
-                               env=dict(os.environ, SLURM_CONF=str(conf)))
+        queue = subprocess.run(
+            ["squeue", "-h", "-o", "%i"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=dict(os.environ, SLURM_CONF=str(conf)),
+        )
         in_use = queue.returncode != 0 or queue.stdout.strip() != ""  # someone's jobs, submitted by hand
         if not _live_leases(lease_dir) and not keep and not in_use:
             _script("stop", cluster_dir)

@@ -11,73 +11,91 @@ import time
 
 def correct(bonus: float = 0.0):
     """1.0 when text == str(key), else 0.0 (+ bonus)."""
+
     def fn(key, text):
         return (1.0 if text == str(key) else 0.0) + bonus
+
     return fn
 
 
 def length():
     """len(text): a trivial reward for the benchmark."""
+
     def fn(key, text):
         return float(len(text))
+
     return fn
 
 
 def flaky():
     """Raises ValueError for keys that are multiples of 3, else returns the key as a float."""
+
     def fn(key, text):
         if key % 3 == 0:
             raise ValueError(f"no reward for {key}")
         return float(key)
+
     return fn
 
 
 def hangs():
     """Sleeps forever for key 'hang'; 1.0 otherwise."""
+
     def fn(key, text):
         if key == "hang":
             while True:
                 time.sleep(60)
         return 1.0
+
     return fn
 
 
 def nan_reward():
     """NaN for key 'nan', else 1.0."""
+
     def fn(key, text):
         return float("nan") if key == "nan" else 1.0
+
     return fn
 
 
 def wrong_type():
     """A string instead of a number."""
+
     def fn(key, text):
         return "one"
+
     return fn
 
 
 def dies():
     """The worker exits abruptly (os._exit(3)) for key 'die'; 1.0 otherwise."""
+
     def fn(key, text):
         if key == "die":
             os._exit(3)
         return 1.0
+
     return fn
 
 
 def prints():
     """Writes to stdout (which must not disturb the worker protocol) and returns 1.0."""
+
     def fn(key, text):
         print("noise from a reward", key, flush=True)
         os.write(1, b"raw noise\n")
         return 1.0
+
     return fn
 
 
 def pid():
     """The worker's pid: shows which worker scored a job."""
+
     def fn(key, text):
         return float(os.getpid())
+
     return fn
 
 
@@ -92,9 +110,11 @@ def not_callable():
 
 def sleeps():
     """Sleeps `key` seconds, returns 1.0."""
+
     def fn(key, text):
         time.sleep(float(key))
         return 1.0
+
     return fn
 
 
@@ -104,4 +124,5 @@ def loaded_modules():
 
     def fn(key, text):
         return 0.0 if any(m in sys.modules for m in text.split()) else 1.0
+
     return fn

@@ -35,6 +35,7 @@ def close(a, b, tol=1e-5):
 
 # --- aggregation -------------------------------------------------------------
 
+
 def test_token_mean_and_seq_mean():
     values = t([[1, 2, 3], [4, 0, 0], [9, 9, 9]])
     mask = t([[1, 1, 1], [1, 0, 0], [0, 0, 0]])  # third row: no valid token, must not count
@@ -47,6 +48,7 @@ def test_token_mean_and_seq_mean():
 
 
 # --- advantages --------------------------------------------------------------
+
 
 def test_grpo_group_normalised():
     rewards = t([1, 0, 0, 1, 2, 2, 2, 2])
@@ -63,7 +65,9 @@ def test_grpo_group_normalised():
     adv = compute_advantages("grpo", rewards, 4, mask, scale_by_std=False)
     close(adv[:4, 0], [0.5, -0.5, -0.5, 0.5])
     # DAPO uses the same estimator
-    close(compute_advantages("dapo", rewards, 4, mask, eps=1e-6), compute_advantages("grpo", rewards, 4, mask, eps=1e-6))
+    close(
+        compute_advantages("dapo", rewards, 4, mask, eps=1e-6), compute_advantages("grpo", rewards, 4, mask, eps=1e-6)
+    )
 
 
 def test_rloo_leave_one_out():
@@ -81,7 +85,9 @@ def test_rloo_sequence_kl_in_reward():
     ref = t([[-1.5, -1.2], [-1, -1]])
     # k1 per token: [0.5, 0.2] and [0, 0]; sums 0.7 and 0 -> rewards 1 - 0.1*0.7 = 0.93 and 0
     # leave-one-out with G=2: 0.93 - 0 = 0.93 and 0 - 0.93 = -0.93
-    adv = compute_advantages("rloo", t([1, 0]), 2, mask, logprobs=logprobs, ref_logprobs=ref, kl_coef=0.1, kl_estimator="k1")
+    adv = compute_advantages(
+        "rloo", t([1, 0]), 2, mask, logprobs=logprobs, ref_logprobs=ref, kl_coef=0.1, kl_estimator="k1"
+    )
     close(adv, [[0.93, 0.93], [-0.93, -0.93]])
 
 
@@ -102,8 +108,15 @@ def test_discounted_returns_with_token_kl_and_env_tokens():
     # token-level KL in the reward: k1 = [0.5, 0, 0], kl_coef 0.1 -> rewards [-0.05, 0, 1]; gamma 1 -> [0.95, 1, 1]
     # whitening [0.95, 1, 1]: mean 0.983333, unbiased std sqrt((0.033333^2 + 2*0.016667^2)/2) = 0.028868
     adv = compute_advantages(
-        "reinforce_pp", t([1]), 1, torch.ones(1, 3), logprobs=t([[-1.0, -1, -1]]), ref_logprobs=t([[-1.5, -1, -1]]),
-        kl_coef=0.1, kl_estimator="k1", eps=0.0,
+        "reinforce_pp",
+        t([1]),
+        1,
+        torch.ones(1, 3),
+        logprobs=t([[-1.0, -1, -1]]),
+        ref_logprobs=t([[-1.5, -1, -1]]),
+        kl_coef=0.1,
+        kl_estimator="k1",
+        eps=0.0,
     )
     close(adv, [[-1.154701, 0.577350, 0.577350]])
 
@@ -152,6 +165,7 @@ def test_registry_says_what_each_algorithm_needs():
 
 
 # --- losses ------------------------------------------------------------------
+
 
 def _ratios_to_logprobs(ratios):
     old = torch.full_like(ratios, -1.0)
@@ -230,6 +244,7 @@ def test_entropy_from_logits():
 
 
 # --- DAPO batch pieces -------------------------------------------------------
+
 
 def test_dynamic_sampling_drops_all_equal_groups():
     ds = dynamic_sampling_filter(t([1, 1, 1, 0, 1, 0, 0, 0, 0]), 3)

@@ -173,8 +173,9 @@ _WRITER = textwrap.dedent("""
 
 
 def test_live_and_killed_logs_are_analyzed(tmp_path, capsys):
-    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout.readline().strip() == "ready"
         live = summarize(tmp_path)  # the writer holds the file in SWMR mode
@@ -199,7 +200,9 @@ def test_compare_writes_overlaid_curves(small_run, large_run, tmp_path, capsys):
 def test_ckpt_command_reports_newest_valid(tmp_path, capsys, caplog):
     weights = {"w": torch.arange(6, dtype=torch.bfloat16)}
     save_checkpoint(tmp_path, 10, {"model": weights}, {"policy_version": 10})
-    newest = save_checkpoint(tmp_path, 20, {"model": {"w": torch.zeros(6, dtype=torch.bfloat16)}}, {"policy_version": 20})
+    newest = save_checkpoint(
+        tmp_path, 20, {"model": {"w": torch.zeros(6, dtype=torch.bfloat16)}}, {"policy_version": 20}
+    )
     newest.write_bytes(newest.read_bytes()[:1000])
     assert main(["ckpt", str(tmp_path), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)

@@ -138,7 +138,10 @@ def test_keep_last_k(tmp_path):
         save_checkpoint(tmp_path, step, {"x": np.full(3, step)}, keep_last=3)
     assert [c.step for c in list_checkpoints(tmp_path)] == [30, 40, 50]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
-        "step-00000030.h5", "step-00000040.h5", "step-00000050.h5"]
+        "step-00000030.h5",
+        "step-00000040.h5",
+        "step-00000050.h5",
+    ]
 
 
 def _data_offset(path: Path, dataset: str) -> int:
@@ -223,7 +226,9 @@ def test_config_mismatch_refused_unless_forced():
     assert diffs == ["algorithm.lr: 0.001 -> 0.01"]
     # allocation-level changes and a longer run are fine
     assert check_compatible(saved, load_config(None, ["slurm.time=01:00:00", "algorithm.steps=100"])) == [
-        "algorithm.steps: 30 -> 100", "slurm.time: '00:30:00' -> '01:00:00'"]
+        "algorithm.steps: 30 -> 100",
+        "slurm.time: '00:30:00' -> '01:00:00'",
+    ]
     # digest-only comparison: refused without naming keys it cannot know
     with pytest.raises(ConfigMismatch, match="digest"):
         check_compatible({"config_digest": saved["config_digest"]}, load_config(None, ["run.seed=1"]).digest())
@@ -235,7 +240,9 @@ def test_config_mismatch_refused_unless_forced():
 
 def test_sharded_checkpoint_requires_every_shard(tmp_path, caplog):
     for step in (10, 20):
-        entries = [save_shard(tmp_path, step, r, 3, {"weights": {"w": torch.full((4,), float(step + r))}}) for r in range(3)]
+        entries = [
+            save_shard(tmp_path, step, r, 3, {"weights": {"w": torch.full((4,), float(step + r))}}) for r in range(3)
+        ]
         assert [c.step for c in list_checkpoints(tmp_path)] == ([10] if step == 20 else [])
         commit_shards(tmp_path, step, entries, {"policy_version": step})
     path, state, meta = load_latest_valid(tmp_path, shard=1)

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from rollout_hpc.config import load_config
 
@@ -21,8 +20,9 @@ HELLO = REPO / "configs" / "hello.yaml"
 
 
 def cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rollout_hpc", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "rollout_hpc", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def assert_user_error(done: subprocess.CompletedProcess, *needles: str) -> None:
@@ -63,8 +63,9 @@ def test_validate_error_is_one_paragraph_without_traceback(tmp_path):
 
 
 def test_set_errors_are_flagged(tmp_path):
-    assert_user_error(cli("validate", str(QUICKSTART), "--set", "algorithm.steps=lots", cwd=tmp_path),
-                      "algorithm.steps (from --set)")
+    assert_user_error(
+        cli("validate", str(QUICKSTART), "--set", "algorithm.steps=lots", cwd=tmp_path), "algorithm.steps (from --set)"
+    )
     assert_user_error(cli("render", str(QUICKSTART), "--set", "nonsense", cwd=tmp_path), "KEY.PATH=VALUE")
 
 
@@ -169,9 +170,21 @@ def test_local_run_stops_and_leaves_no_ranks(tmp_path, stop):
     which ends every rank; the exit is recorded."""
     run_dir = tmp_path / "runs" / "stopme"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rollout_hpc", "submit", str(QUICKSTART), "--set", "run.name=stopme",
-         "--set", "algorithm.steps=100000"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "rollout_hpc",
+            "submit",
+            str(QUICKSTART),
+            "--set",
+            "run.name=stopme",
+            "--set",
+            "algorithm.steps=100000",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     deadline = time.monotonic() + 120
     while len(_processes_mentioning(f"--run-dir {run_dir}")) < 3 and time.monotonic() < deadline:
@@ -197,8 +210,9 @@ def test_local_run_failure_returns_mpiruns_code(tmp_path):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text('{"model_type": "nonsense-model"}')
     (tmp_path / "broken" / "tokenizer_config.json").write_text("{}")
-    done = cli("submit", str(QUICKSTART), "--local", "--set", f"model.path={tmp_path / 'broken'}", cwd=tmp_path,
-               timeout=300)
+    done = cli(
+        "submit", str(QUICKSTART), "--local", "--set", f"model.path={tmp_path / 'broken'}", cwd=tmp_path, timeout=300
+    )
     manifest = json.loads((tmp_path / "runs" / "quickstart" / "manifest.json").read_text())
     recorded = manifest["local_runs"][0]["exit_code"]
     assert recorded not in (None, 0) and done.returncode == recorded
@@ -214,10 +228,19 @@ def test_allocation_layout_from_slurm_environment():
     from rollout_hpc.commands.prepare import allocation_layout
     from rollout_hpc.config import UserError
 
-    env = {"SLURM_HET_SIZE": "2", "SLURM_JOB_NUM_NODES_HET_GROUP_0": "1", "SLURM_TASKS_PER_NODE_HET_GROUP_0": "4",
-           "SLURM_JOB_NUM_NODES_HET_GROUP_1": "3", "SLURM_TASKS_PER_NODE_HET_GROUP_1": "2(x3)"}
-    assert allocation_layout(env) == ["generator.nodes=1", "generator.tasks_per_node=4",
-                                      "trainer.nodes=3", "trainer.tasks_per_node=2"]
+    env = {
+        "SLURM_HET_SIZE": "2",
+        "SLURM_JOB_NUM_NODES_HET_GROUP_0": "1",
+        "SLURM_TASKS_PER_NODE_HET_GROUP_0": "4",
+        "SLURM_JOB_NUM_NODES_HET_GROUP_1": "3",
+        "SLURM_TASKS_PER_NODE_HET_GROUP_1": "2(x3)",
+    }
+    assert allocation_layout(env) == [
+        "generator.nodes=1",
+        "generator.tasks_per_node=4",
+        "trainer.nodes=3",
+        "trainer.tasks_per_node=2",
+    ]
     with pytest.raises(UserError, match="uneven"):
         allocation_layout(dict(env, SLURM_TASKS_PER_NODE_HET_GROUP_1="2(x2),1"))
     with pytest.raises(UserError, match="hetjob"):
@@ -229,9 +252,21 @@ def test_local_run_passes_the_warning_signal_to_every_rank(tmp_path):
     from rollout_hpc.launch import EXIT_CONTINUE
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rollout_hpc", "submit", str(QUICKSTART), "--set", "run.name=warned",
-         "--set", "algorithm.steps=100000"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "rollout_hpc",
+            "submit",
+            str(QUICKSTART),
+            "--set",
+            "run.name=warned",
+            "--set",
+            "algorithm.steps=100000",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     lines = []
     for line in proc.stdout:  # wait until training is under way, so every rank has its handlers

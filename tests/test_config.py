@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rollout_hpc.config import ConfigError, Config, load_config, parse_slurm_time
+from rollout_hpc.config import Config, ConfigError, load_config, parse_slurm_time
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,40 +33,61 @@ def test_defaults_are_valid_and_digest_is_stable():
 
 
 def test_unknown_key_names_field_and_line(tmp_path):
-    path = write(tmp_path, """\
+    path = write(
+        tmp_path,
+        """\
         run:
           name: x
         algorithm:
           steps: 3
           stepz: 4
-        """)
+        """,
+    )
     msg = error_of(path)
     assert "algorithm.stepz (line 5)" in msg
     assert "unknown key" in msg and "rollout-hpc schema" in msg
 
 
-@pytest.mark.parametrize("text,expected", [
-    pytest.param("trainers:\n  nodes: 2\n", ["trainers (line 1)", "unknown key"], id="unknown_section"),
-    pytest.param("run:\n  name: x\ntrainer:\n  nodes: two\n", ["trainer.nodes (line 4)", "integer"],
-                 id="wrong_type_names_field_and_line"),
-    pytest.param("generator:\n  nodes: 0\n", ["generator.nodes (line 2)", "at least 1"],
-                 id="zero_nodes_refused_with_reason"),
-    pytest.param("slurm:\n  gpus_per_node: 4\ntrainer:\n  tasks_per_node: 8\n  gpus_per_task: 1\n",
-                 ["8 GPUs per node", "slurm.gpus_per_node is 4"], id="too_many_gpus_per_node"),
-    pytest.param("slurm:\n  time: '00:01:00'\n  signal_lead_seconds: 120\n", ["slurm.time", "signal_lead_seconds"],
-                 id="time_must_exceed_signal_lead"),
-    pytest.param("slurm:\n  time: soon\n", ["slurm.time (line 2)", "HH:MM:SS"], id="bad_slurm_time_syntax"),
-    pytest.param("slurm: {gpus_per_node: 4}\ntrainer: {backend: megatron, gpus_per_task: 1, pipeline_parallel: 2}\n",
-                 ["trainer.pipeline_parallel > 1 is not wired", "trainer.tensor_parallel"], id="megatron_pipeline_parallel"),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        pytest.param("trainers:\n  nodes: 2\n", ["trainers (line 1)", "unknown key"], id="unknown_section"),
+        pytest.param(
+            "run:\n  name: x\ntrainer:\n  nodes: two\n",
+            ["trainer.nodes (line 4)", "integer"],
+            id="wrong_type_names_field_and_line",
+        ),
+        pytest.param(
+            "generator:\n  nodes: 0\n", ["generator.nodes (line 2)", "at least 1"], id="zero_nodes_refused_with_reason"
+        ),
+        pytest.param(
+            "slurm:\n  gpus_per_node: 4\ntrainer:\n  tasks_per_node: 8\n  gpus_per_task: 1\n",
+            ["8 GPUs per node", "slurm.gpus_per_node is 4"],
+            id="too_many_gpus_per_node",
+        ),
+        pytest.param(
+            "slurm:\n  time: '00:01:00'\n  signal_lead_seconds: 120\n",
+            ["slurm.time", "signal_lead_seconds"],
+            id="time_must_exceed_signal_lead",
+        ),
+        pytest.param("slurm:\n  time: soon\n", ["slurm.time (line 2)", "HH:MM:SS"], id="bad_slurm_time_syntax"),
+        pytest.param(
+            "slurm: {gpus_per_node: 4}\ntrainer: {backend: megatron, gpus_per_task: 1, pipeline_parallel: 2}\n",
+            ["trainer.pipeline_parallel > 1 is not wired", "trainer.tensor_parallel"],
+            id="megatron_pipeline_parallel",
+        ),
+    ],
+)
 def test_invalid_config_is_named(tmp_path, text, expected):
     msg = error_of(write(tmp_path, text))
     for part in expected:
         assert part in msg
 
 
-@pytest.mark.parametrize("text,seconds", [("30", 1800), ("01:30", 90), ("02:00:00", 7200), ("1-00:00:00", 86400),
-                                          ("1-2", 93600), ("1-02:03", 93780)])
+@pytest.mark.parametrize(
+    "text,seconds",
+    [("30", 1800), ("01:30", 90), ("02:00:00", 7200), ("1-00:00:00", 86400), ("1-2", 93600), ("1-02:03", 93780)],
+)
 def test_parse_slurm_time(text, seconds):
     assert parse_slurm_time(text) == seconds
 
@@ -87,8 +108,15 @@ def test_missing_file():
 
 def test_set_overrides_apply_with_yaml_types(tmp_path):
     path = write(tmp_path, "algorithm:\n  steps: 3\n")
-    cfg = load_config(path, ["algorithm.steps=7", "slurm.modules=[gcc/12, cuda/12]", "trainer.mem=64G",
-                             "slurm.container={image: a.sif, runtime: apptainer}"])
+    cfg = load_config(
+        path,
+        [
+            "algorithm.steps=7",
+            "slurm.modules=[gcc/12, cuda/12]",
+            "trainer.mem=64G",
+            "slurm.container={image: a.sif, runtime: apptainer}",
+        ],
+    )
     assert cfg.algorithm.steps == 7
     assert cfg.slurm.modules == ["gcc/12", "cuda/12"]
     assert cfg.trainer.mem == "64G"

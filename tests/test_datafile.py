@@ -13,7 +13,14 @@ import pytest
 from rollout_hpc.config import UserError
 from rollout_hpc.envs.base import Prompt
 from rollout_hpc.envs.datafile import (
-    DatasetError, EpochShuffled, PromptRows, check_table, open_arrow, read_table, split_rows, write_arrow,
+    DatasetError,
+    EpochShuffled,
+    PromptRows,
+    check_table,
+    open_arrow,
+    read_table,
+    split_rows,
+    write_arrow,
 )
 
 N = 6
@@ -26,8 +33,12 @@ def records(prompt_kind: str, answer_kind: str) -> list[dict]:
         if prompt_kind == "chat":
             prompt = [{"role": "user", "content": q}]
             if i % 2:  # some rows carry a system message, some several turns
-                prompt = [{"role": "system", "content": f"sys {i}"}, {"role": "user", "content": "warm-up"},
-                          {"role": "assistant", "content": "ok"}, {"role": "user", "content": q}]
+                prompt = [
+                    {"role": "system", "content": f"sys {i}"},
+                    {"role": "user", "content": "warm-up"},
+                    {"role": "assistant", "content": "ok"},
+                    {"role": "user", "content": q},
+                ]
         else:
             prompt = q
         answer = 2 * i if answer_kind == "int" else f"{2 * i}"
@@ -56,19 +67,18 @@ def write_format(fmt: str, recs: list[dict], tmp_path) -> str:
         p = tmp_path / "shards"
         p.mkdir()
         for k, lo in enumerate(range(0, N, 4)):  # shard names sort in row order
-            pq.write_table(pa.Table.from_pylist(recs[lo:lo + 4]), p / f"part-{k:03d}.parquet")
+            pq.write_table(pa.Table.from_pylist(recs[lo : lo + 4]), p / f"part-{k:03d}.parquet")
     elif fmt == "jsonl_shards":
         p = tmp_path / "jshards"
         p.mkdir()
         for k, lo in enumerate(range(0, N, 4)):
-            (p / f"part-{k:03d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs[lo:lo + 4]))
+            (p / f"part-{k:03d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs[lo : lo + 4]))
     else:
         raise AssertionError(fmt)
     return str(p)
 
 
-FORMATS = ["jsonl", "json_array", "json_lines_named_json", "parquet", "save_to_disk", "parquet_shards",
-           "jsonl_shards"]
+FORMATS = ["jsonl", "json_array", "json_lines_named_json", "parquet", "save_to_disk", "parquet_shards", "jsonl_shards"]
 
 
 @pytest.mark.parametrize("answer_kind", ["int", "str"])
@@ -105,8 +115,10 @@ def test_system_prompt_and_indices(tmp_path):
     assert p5.meta["row"] == 5 and p0.meta["row"] == 0 and rows[-1].meta["row"] == 2
     assert p5.messages[0] == {"role": "system", "content": "sys 5"}  # has its own: not replaced
     assert sum(m["role"] == "system" for m in p5.messages) == 1
-    assert p0.messages == ({"role": "system", "content": "Think step by step."},
-                           {"role": "user", "content": recs[0]["prompt"][0]["content"]})
+    assert p0.messages == (
+        {"role": "system", "content": "Think step by step."},
+        {"role": "user", "content": recs[0]["prompt"][0]["content"]},
+    )
     assert p0.text == recs[0]["prompt"][0]["content"]
     with pytest.raises(IndexError):
         rows[3]
@@ -117,9 +129,17 @@ def test_system_prompt_and_indices(tmp_path):
 
 def test_chat_extra_message_fields_kept(tmp_path):
     path = tmp_path / "tool.jsonl"
-    path.write_text(json.dumps({"prompt": [{"role": "user", "content": "q"}], "answer": "a"}) + "\n"
-                    + json.dumps({"prompt": [{"role": "user", "content": "q2"},
-                                             {"role": "tool", "content": "42", "name": "calc"}], "answer": "b"}) + "\n")
+    path.write_text(
+        json.dumps({"prompt": [{"role": "user", "content": "q"}], "answer": "a"})
+        + "\n"
+        + json.dumps(
+            {
+                "prompt": [{"role": "user", "content": "q2"}, {"role": "tool", "content": "42", "name": "calc"}],
+                "answer": "b",
+            }
+        )
+        + "\n"
+    )
     table = read_table(path)
     check_table(table, path)
     rows = PromptRows(table)
@@ -409,8 +429,12 @@ def test_epoch_permutation_is_the_documented_one():
 
 def test_date_like_strings_stay_strings(tmp_path):
     p = tmp_path / "dates.jsonl"
-    p.write_text(json.dumps({"prompt": "2021-01-01", "answer": "2021-01-01 10:00:00", "when": "1999-12-31"}) + "\n"
-                 + json.dumps({"prompt": "b", "answer": "1999-12-31", "when": "2000-01-01"}) + "\n")
+    p.write_text(
+        json.dumps({"prompt": "2021-01-01", "answer": "2021-01-01 10:00:00", "when": "1999-12-31"})
+        + "\n"
+        + json.dumps({"prompt": "b", "answer": "1999-12-31", "when": "2000-01-01"})
+        + "\n"
+    )
     table = read_table(p)
     check_table(table, p)
     first = PromptRows(table)[0]

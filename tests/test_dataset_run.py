@@ -26,8 +26,13 @@ def problems(n: int, seed: int = 0) -> list[dict]:
     rows = []
     for i in range(n):
         a, b = rng.randint(0, 4), rng.randint(0, 4)
-        rows.append({"question": [{"role": "user", "content": f"What is {a}+{b}?"}], "answer": f"#### {a + b}",
-                     "source": f"p{i}"})
+        rows.append(
+            {
+                "question": [{"role": "user", "content": f"What is {a}+{b}?"}],
+                "answer": f"#### {a + b}",
+                "source": f"p{i}",
+            }
+        )
     return rows
 
 
@@ -36,8 +41,19 @@ def model_dir(tmp_path_factory) -> Path:
     return make_tiny_qwen(tmp_path_factory.mktemp("model") / "tiny-qwen")
 
 
-def write_config(directory: Path, name: str, model: Path, train: Path, *, steps: int, prompts: int = 4, extra: str = "",
-                 task_extra: str = "", reward: str = "math", params: str = "val_fraction: 0.2") -> Path:
+def write_config(
+    directory: Path,
+    name: str,
+    model: Path,
+    train: Path,
+    *,
+    steps: int,
+    prompts: int = 4,
+    extra: str = "",
+    task_extra: str = "",
+    reward: str = "math",
+    params: str = "val_fraction: 0.2",
+) -> Path:
     path = directory / f"{name}.yaml"
     path.write_text(f"""
 run: {{name: {name}, seed: 3}}
@@ -67,8 +83,14 @@ def logged(run_dir: Path) -> list[tuple[int, int, int]]:
 
 def test_parquet_chat_prompts_math_reward_and_eval(tmp_path, model_dir):
     pq.write_table(pa.Table.from_pylist(problems(30)), tmp_path / "train.parquet")
-    cfg = write_config(tmp_path, "gsm", model_dir, tmp_path / "train.parquet", steps=6,
-                       extra="eval: {every_steps: 3, at_start: true, samples_per_prompt: 2, greedy: false}")
+    cfg = write_config(
+        tmp_path,
+        "gsm",
+        model_dir,
+        tmp_path / "train.parquet",
+        steps=6,
+        extra="eval: {every_steps: 3, at_start: true, samples_per_prompt: 2, greedy: false}",
+    )
     done = cli("submit", cfg, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     run_dir = tmp_path / "runs" / "gsm"
@@ -103,7 +125,9 @@ def test_epoch_boundary_resumed_run_matches_an_uninterrupted_one(tmp_path, model
     (tmp_path / "a").mkdir()
     (tmp_path / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in problems(5, seed=2)))
     params, ev = f"val: {tmp_path / 'val.jsonl'}", "eval: {every_steps: 2, at_start: false}"
-    straight = write_config(tmp_path / "a", "straight", model_dir, tmp_path / "train.jsonl", steps=7, params=params, extra=ev)
+    straight = write_config(
+        tmp_path / "a", "straight", model_dir, tmp_path / "train.jsonl", steps=7, params=params, extra=ev
+    )
     assert cli("submit", straight, cwd=tmp_path / "a").returncode == 0
     (tmp_path / "b").mkdir()
     first = write_config(tmp_path / "b", "split", model_dir, tmp_path / "train.jsonl", steps=3, params=params, extra=ev)
@@ -148,8 +172,16 @@ def nan_reward(prompt, text):
 def test_rewards_that_raise_or_hang_cost_samples_not_the_run(tmp_path, model_dir):
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in problems(20)))
     (tmp_path / "faulty.py").write_text(FAULTY_REWARD)
-    cfg = write_config(tmp_path, "faulty", model_dir, tmp_path / "train.jsonl", steps=3, params="shuffle: false",
-                       reward=f"{tmp_path / 'faulty.py'}:reward", task_extra="reward_timeout: 1.0")
+    cfg = write_config(
+        tmp_path,
+        "faulty",
+        model_dir,
+        tmp_path / "train.jsonl",
+        steps=3,
+        params="shuffle: false",
+        reward=f"{tmp_path / 'faulty.py'}:reward",
+        task_extra="reward_timeout: 1.0",
+    )
     t0 = time.monotonic()
     done = cli("submit", cfg, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -170,8 +202,9 @@ def test_rewards_that_raise_or_hang_cost_samples_not_the_run(tmp_path, model_dir
 def test_a_nan_reward_ends_the_run_with_the_plugins_name(tmp_path, model_dir):
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in problems(20)))
     (tmp_path / "faulty.py").write_text(FAULTY_REWARD)
-    cfg = write_config(tmp_path, "nan", model_dir, tmp_path / "train.jsonl", steps=50,
-                       reward=f"{tmp_path / 'faulty.py'}:nan_reward")
+    cfg = write_config(
+        tmp_path, "nan", model_dir, tmp_path / "train.jsonl", steps=50, reward=f"{tmp_path / 'faulty.py'}:nan_reward"
+    )
     t0 = time.monotonic()
     done = cli("submit", cfg, cwd=tmp_path, timeout=120)
     assert time.monotonic() - t0 < 60  # ended at once, not at a time limit
@@ -180,11 +213,14 @@ def test_a_nan_reward_ends_the_run_with_the_plugins_name(tmp_path, model_dir):
     assert "nan_reward" in out and "nan" in out.lower(), out[-3000:]
 
 
-@pytest.mark.parametrize("rows, message", [
-    ([{"q": "1+1", "answer": "2"}], "'question'"),
-    ([{"question": "a", "answer": "1"}, {"question": 5, "answer": "2"}], "row 1"),
-    ([], "has no rows"),
-])
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([{"q": "1+1", "answer": "2"}], "'question'"),
+        ([{"question": "a", "answer": "1"}, {"question": 5, "answer": "2"}], "row 1"),
+        ([], "has no rows"),
+    ],
+)
 def test_bad_dataset_files_are_refused_before_anything_is_created(tmp_path, model_dir, rows, message):
     data = tmp_path / "bad.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -202,8 +238,15 @@ def test_dataset_task_needs_a_reward_and_eval_needs_held_out_prompts(tmp_path, m
     cfg = write_config(tmp_path, "noreward", model_dir, tmp_path / "train.jsonl", steps=2, reward="")
     done = cli("validate", cfg, cwd=tmp_path)
     assert done.returncode == 2 and "task.reward" in done.stderr and "math" in done.stderr
-    cfg = write_config(tmp_path, "noval", model_dir, tmp_path / "train.jsonl", steps=2, params="shuffle: true",
-                       extra="eval: {every_steps: 1}")
+    cfg = write_config(
+        tmp_path,
+        "noval",
+        model_dir,
+        tmp_path / "train.jsonl",
+        steps=2,
+        params="shuffle: true",
+        extra="eval: {every_steps: 1}",
+    )
     done = cli("validate", cfg, cwd=tmp_path)
     assert done.returncode == 2 and "val_fraction" in done.stderr and "eval" in done.stderr
 
@@ -214,9 +257,15 @@ def test_dataset_task_with_eval_as_a_het_job(slurm_cluster, tmp_path, model_dir)
     1 trainer; the eval prompts are shared over both generators and the curve lands in the log."""
     pq.write_table(pa.Table.from_pylist(problems(24)), tmp_path / "train.parquet")
     pq.write_table(pa.Table.from_pylist(problems(7, seed=9)), tmp_path / "val.parquet")
-    cfg = write_config(tmp_path, "slurmds", model_dir, tmp_path / "train.parquet", steps=4,
-                       params=f"val: {tmp_path / 'val.parquet'}",
-                       extra="eval: {every_steps: 2, at_start: false}\ngenerator: {tasks_per_node: 2}")
+    cfg = write_config(
+        tmp_path,
+        "slurmds",
+        model_dir,
+        tmp_path / "train.parquet",
+        steps=4,
+        params=f"val: {tmp_path / 'val.parquet'}",
+        extra="eval: {every_steps: 2, at_start: false}\ngenerator: {tasks_per_node: 2}",
+    )
     done = cli("submit", cfg, "--set", "launcher=slurm", cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     job_id = next(l for l in done.stdout.splitlines() if l.startswith("submitted job")).split()[-1]

@@ -4,11 +4,11 @@ import pytest
 
 from rollout_hpc.config import ConfigError, TaskSection
 from rollout_hpc.envs import (
-    TaskError,
     ArithmeticTask,
     Level,
     Prompt,
     SokobanEnv,
+    TaskError,
     dataset_item,
     generate_level,
     is_multi_turn,

@@ -19,18 +19,26 @@ from rollout_hpc.analysis.figures import FIGURES, eval_figure, write_run_figures
 from rollout_hpc.analysis.report import write_report
 from rollout_hpc.analysis.summary import analyze_run, summarize
 from rollout_hpc.cli import main
-from rollout_hpc.trajectory import REWARD_ERROR, REWARD_TIMEOUT
 from rollout_hpc.store.synthetic import synthetic_batch
 from rollout_hpc.store.trajlog import STANDARD_EVAL_METRICS, TrajectoryLog, TrajectoryReader, read_eval
+from rollout_hpc.trajectory import REWARD_ERROR, REWARD_TIMEOUT
 
 META = {"run_name": "evals", "group_size": 4, "max_new_tokens": 16, "max_staleness": 0}
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _eval(step: int) -> dict[str, float]:
-    return {"accuracy": 0.1 + 0.05 * step, "mean_reward": 0.2 + 0.05 * step, "pass_at_k": 0.3 + 0.05 * step,
-            "mean_at_k": 0.15 + 0.05 * step, "k": 4, "prompts": 16, "samples": 64, "response_len_mean": 9.5,
-            "reward_errors": 0}
+    return {
+        "accuracy": 0.1 + 0.05 * step,
+        "mean_reward": 0.2 + 0.05 * step,
+        "pass_at_k": 0.3 + 0.05 * step,
+        "mean_at_k": 0.15 + 0.05 * step,
+        "k": 4,
+        "prompts": 16,
+        "samples": 64,
+        "response_len_mean": 9.5,
+        "reward_errors": 0,
+    }
 
 
 def _write_run(run, steps=8, eval_every=2, errors=None) -> None:
@@ -101,8 +109,9 @@ _LIVE_WRITER = textwrap.dedent("""
 
 
 def _writer(path, mode):
-    return subprocess.Popen([sys.executable, "-c", _LIVE_WRITER, str(path), mode], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", _LIVE_WRITER, str(path), mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
 
 
 def test_reader_follows_the_eval_rows_of_a_live_writer(tmp_path):
@@ -189,16 +198,24 @@ def test_old_log_without_eval_group_or_reward_status(tmp_path):
 
 
 def test_summary_eval_lists_and_reward_errors(tmp_path):
-    _write_run(tmp_path, steps=8, eval_every=2,
-               errors={1: [(0, REWARD_ERROR), (3, REWARD_TIMEOUT)], 5: [(2, REWARD_ERROR)]})
+    _write_run(
+        tmp_path, steps=8, eval_every=2, errors={1: [(0, REWARD_ERROR), (3, REWARD_TIMEOUT)], 5: [(2, REWARD_ERROR)]}
+    )
     s = summarize(tmp_path)
     e = s["eval"]
     assert set(STANDARD_EVAL_METRICS) <= set(e)
     assert e["step"] == [0, 2, 4, 6] and all(isinstance(v, int) for v in e["step"])
     assert e["accuracy"] == pytest.approx([0.1, 0.2, 0.3, 0.4])
     assert e["pass_at_k"] == pytest.approx([0.3, 0.4, 0.5, 0.6]) and e["k"] == [4.0] * 4
-    assert s["eval_accuracy"] == {"first": pytest.approx(0.1), "last": pytest.approx(0.4), "best": pytest.approx(0.4),
-                                  "best_step": 6, "first_step": 0, "last_step": 6, "evals": 4}
+    assert s["eval_accuracy"] == {
+        "first": pytest.approx(0.1),
+        "last": pytest.approx(0.4),
+        "best": pytest.approx(0.4),
+        "best_step": 6,
+        "first_step": 0,
+        "last_step": 6,
+        "evals": 4,
+    }
     assert s["reward_errors"] == 3 and s["reward_timeouts"] == 1
     assert any("stand-in reward of 0" in w and "raised for 2" in w for w in s["warnings"])
     assert json.dumps(s)  # JSON-able
@@ -209,7 +226,9 @@ def test_cli_analyze_shows_eval_and_reward_errors(tmp_path):
     cli = ROOT / ".venv" / "bin" / "rollout-hpc"
     argv = [str(cli)] if cli.exists() else [sys.executable, "-m", "rollout_hpc.cli"]
     env = {**os.environ, "COLUMNS": "200"}
-    proc = subprocess.run(argv + ["analyze", str(tmp_path), "--json"], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        argv + ["analyze", str(tmp_path), "--json"], capture_output=True, text=True, env=env, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["eval"]["step"] == [0, 2, 4, 6] and data["eval"]["accuracy"] == pytest.approx([0.1, 0.2, 0.3, 0.4])

@@ -9,7 +9,6 @@ from collections import Counter
 
 import pytest
 from conftest import guarded_srun
-
 from mpi_progs.launch import PROGS, mpirun, node_blocks, write_config
 
 PROG = str(PROGS / "exchange_prog.py")
@@ -22,7 +21,10 @@ def _run(tmp_path, overrides, spec, expect_ok=True):
     res = mpirun(node_blocks(cfg, [PROG, str(tmp_path), json.dumps(spec)]), timeout=150)
     if expect_ok:
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    out = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("exchange-*.json"), key=lambda p: int(p.stem.split("-")[1]))]
+    out = [
+        json.loads(p.read_text())
+        for p in sorted(tmp_path.glob("exchange-*.json"), key=lambda p: int(p.stem.split("-")[1]))
+    ]
     assert not list(shm.iterdir()), "ring segments left behind"
     return cfg, res, out
 
@@ -70,7 +72,14 @@ def test_every_trajectory_arrives_once_identical_and_balanced(tmp_path):
 
 def test_backpressure_bounds_bytes_in_flight(tmp_path):
     bound = 48 << 10
-    spec = {"batches": 40, "max_records": 8, "max_response": 256, "get_n": 2, "train_delay": 0.005, "get_available": True}
+    spec = {
+        "batches": 40,
+        "max_records": 8,
+        "max_response": 256,
+        "get_n": 2,
+        "train_delay": 0.005,
+        "get_available": True,
+    }
     cfg, _, out = _run(
         tmp_path,
         ["generator.tasks_per_node=2", "exchange.ring_bytes=40000", f"exchange.max_inflight_bytes={bound}"],
@@ -92,8 +101,16 @@ def test_idle_gaps_and_short_polls_lose_and_duplicate_nothing(tmp_path):
     # Producers pause longer than the forwarder's sleep on the ring, and two trainer ranks share their node's
     # ring polling with short get_available timeouts (as data-parallel ranks do), so every way the exchange
     # threads wait is taken: a sleep ended by a push, a back-off ended by a waiting get(), a timeout.
-    spec = {"batches": 8, "max_records": 4, "max_response": 16, "get_n": 3, "gen_delay": {"0": 0.08},
-            "get_available": True, "get_timeout": 0.002, "flush_after": 4}
+    spec = {
+        "batches": 8,
+        "max_records": 4,
+        "max_response": 16,
+        "get_n": 3,
+        "gen_delay": {"0": 0.08},
+        "get_available": True,
+        "get_timeout": 0.002,
+        "flush_after": 4,
+    }
     _, _, out = _run(tmp_path, ["generator.tasks_per_node=2", "trainer.tasks_per_node=2"], spec)
     gens = [o for o in out if o["role"] == "generator"]
     trainers = [o for o in out if o["role"] == "trainer"]

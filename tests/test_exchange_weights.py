@@ -2,20 +2,23 @@
 
 import json
 
-import numpy as np
 import pytest
-
 from mpi_progs.launch import PROGS, mpirun, node_blocks, write_config
-from rollout_hpc.trajectory import TrajectoryBatch
+
 from rollout_hpc.exchange.weights import check_staleness
+from rollout_hpc.trajectory import TrajectoryBatch
 
 
 @pytest.mark.parametrize("gen_nodes,gen_tasks,train_tasks", [(2, 2, 2), (1, 1, 1)])
 def test_every_generator_gets_identical_weights(tmp_path, gen_nodes, gen_tasks, train_tasks):
     cfg = write_config(
         tmp_path,
-        [f"generator.nodes={gen_nodes}", f"generator.tasks_per_node={gen_tasks}", f"trainer.tasks_per_node={train_tasks}",
-         "exchange.weight_chunk_bytes=1000"],
+        [
+            f"generator.nodes={gen_nodes}",
+            f"generator.tasks_per_node={gen_tasks}",
+            f"trainer.tasks_per_node={train_tasks}",
+            "exchange.weight_chunk_bytes=1000",
+        ],
     )
     versions = 5
     res = mpirun(node_blocks(cfg, [str(PROGS / "weights_prog.py"), str(tmp_path), str(versions)]))

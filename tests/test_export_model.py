@@ -25,8 +25,14 @@ from rollout_hpc.store.checkpoint import list_checkpoints, load_checkpoint, weig
 torch.set_num_threads(1)
 IDS = [[1, 19, 16, 20, 32, 5, 6, 7, 3, 8, 98, 9], [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
 # Arbitrary ASCII: spaces (leading, doubled, trailing), newlines, digits, every punctuation mark, chat markers.
-TEXTS = ["  leading and  double  spaces ", "a\nb\n\n c\n", "0123456789 3+4=7", "<s>user: hi</s>\nassistant: <pad>",
-         "".join(chr(c) for c in range(32, 127)), ""]
+TEXTS = [
+    "  leading and  double  spaces ",
+    "a\nb\n\n c\n",
+    "0123456789 3+4=7",
+    "<s>user: hi</s>\nassistant: <pad>",
+    "".join(chr(c) for c in range(32, 127)),
+    "",
+]
 
 # Runs in a fresh interpreter, cwd = tmp dir: transformers only; prints one JSON object.
 FRESH = r"""
@@ -55,12 +61,19 @@ print(json.dumps({
 
 
 def cli(*args, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rollout_hpc", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "rollout_hpc", *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
 
 
-def submit(directory: Path, name: str, extra: str = "", model: str = "{hidden_size: 32, num_layers: 2, num_heads: 2, "
-           "max_seq_len: 32}", steps: int = 3, timeout: float = 300) -> Path:
+def submit(
+    directory: Path,
+    name: str,
+    extra: str = "",
+    model: str = "{hidden_size: 32, num_layers: 2, num_heads: 2, max_seq_len: 32}",
+    steps: int = 3,
+    timeout: float = 300,
+) -> Path:
     """A real run of `steps` steps, a checkpoint after every step; returns its run directory."""
     directory.mkdir(parents=True, exist_ok=True)
     config = directory / f"{name}.yaml"
@@ -88,9 +101,14 @@ def export(run_dir: Path, out: Path, *args, ok: bool = True) -> subprocess.Compl
 def fresh_load(directory: Path, tmp: Path, dtype: str = "float32", ids=IDS, texts=TEXTS) -> tuple[dict, np.ndarray]:
     """Load the export in a new interpreter (no rollout_hpc import); its report and the logits of `ids`."""
     out = tmp / "fresh-logits.npy"
-    done = subprocess.run([sys.executable, "-c", FRESH, str(directory), dtype, json.dumps(ids), json.dumps(texts), str(out)],
-                          cwd=tmp, capture_output=True, text=True, timeout=240, env={"PATH": "/usr/bin:/bin",
-                                                                                     "HF_HUB_OFFLINE": "1"})
+    done = subprocess.run(
+        [sys.executable, "-c", FRESH, str(directory), dtype, json.dumps(ids), json.dumps(texts), str(out)],
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["rollout_hpc_imported"] is False
@@ -122,8 +140,14 @@ def test_torch_run_exports_a_directory_transformers_loads_with_equal_logits(torc
     done = export(torch_run, out)
     assert "exported step 3 (policy version 3)" in done.stdout
     names = sorted(p.name for p in out.iterdir())
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            EXPORT_INFO} <= set(names)
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        EXPORT_INFO,
+    } <= set(names)
     assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
 
     report, logits = fresh_load(out, tmp_path)
@@ -152,7 +176,11 @@ def test_torch_run_exports_a_directory_transformers_loads_with_equal_logits(torc
     # Traceability: run, step, policy version, config digest, the checkpoint's weights digest, file digests.
     info = read_export_info(out, verify=True)
     assert info["run_dir"] == str(torch_run) and info["step"] == 3 and info["policy_version"] == 3
-    assert info["config_digest"] == ckpt["meta"]["config_digest"] == load_config(torch_run / "config.resolved.yaml").digest()
+    assert (
+        info["config_digest"]
+        == ckpt["meta"]["config_digest"]
+        == load_config(torch_run / "config.resolved.yaml").digest()
+    )
     assert info["weights_sha256"] == ckpt["digest"]
     assert info["backend"] == "torch" and info["model"]["dtype"] == "float32"
     ckpt_json = json.loads(cli("ckpt", torch_run, "--json", cwd=tmp_path).stdout)
@@ -215,8 +243,13 @@ def test_no_checkpoints_is_a_clear_error(tmp_path):
 
 
 def test_deepspeed_zero2_shards_merge_into_one_model(tmp_path):
-    run_dir = submit(tmp_path / "ds", "export-ds", steps=2, timeout=400,
-                     extra="trainer: {backend: deepspeed, zero_stage: 2, tasks_per_node: 2}")
+    run_dir = submit(
+        tmp_path / "ds",
+        "export-ds",
+        steps=2,
+        timeout=400,
+        extra="trainer: {backend: deepspeed, zero_stage: 2, tasks_per_node: 2}",
+    )
     info = list_checkpoints(run_dir)[-1]
     assert info.sharded and len(list(info.path.glob("shard-*.h5"))) == 2
     out = tmp_path / "model"
@@ -246,8 +279,10 @@ def test_a_model_path_run_exports_its_own_tokenizer_and_stop_ids(tmp_path):
     export(run_dir, out)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (out / name).read_bytes() == (base / name).read_bytes()
-    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == \
-        json.loads((base / "generation_config.json").read_text())["eos_token_id"]
+    assert (
+        json.loads((out / "generation_config.json").read_text())["eos_token_id"]
+        == json.loads((base / "generation_config.json").read_text())["eos_token_id"]
+    )
     assert json.loads((out / "config.json").read_text())["model_type"] == "qwen2"
     ids = [[5, 70, 80, 90, 100, 110], [200, 201, 202, 203, 204, 205]]
     texts = ["  two  spaces\nand 3+4=7", "<|im_start|>user\nhi<|im_end|>\n"]

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 import torch
 
-from rollout_hpc.envs.registry import TaskError
 from rollout_hpc.backends.generate_hf import (
     Generation,
     HFGenerator,
@@ -16,8 +15,9 @@ from rollout_hpc.backends.generate_hf import (
 )
 from rollout_hpc.config import ModelSection, TaskSection
 from rollout_hpc.envs import Level, SokobanEnv, load_task
-from rollout_hpc.trajectory import TrajectoryBatch
+from rollout_hpc.envs.registry import TaskError
 from rollout_hpc.models import CharTokenizer, build_model, response_logprobs
+from rollout_hpc.trajectory import TrajectoryBatch
 
 torch.set_num_threads(1)
 TOK = CharTokenizer()
@@ -68,7 +68,9 @@ def test_top_p_filter():
     torch.testing.assert_close(sampling_logprobs(logits, 1.0, 1.0).exp(), torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     # sampled tokens never leave the nucleus
     model = build_model(CFG, TOK.vocab_size, seed=5).eval()
-    gen = generate(model, prompts(), SamplingParams(max_new_tokens=5, top_p=0.3), TOK.pad_id, torch.Generator().manual_seed(0))
+    gen = generate(
+        model, prompts(), SamplingParams(max_new_tokens=5, top_p=0.3), TOK.pad_id, torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         scores = response_logprobs(model, prompts(), gen.response_ids, TOK.pad_id)
     # a filtered, renormalised probability is at least the unfiltered one
@@ -123,7 +125,9 @@ def test_generator_rollout_builds_trajectory_records(model):
     assert np.array_equal(b2.response_ids, batch.response_ids) and np.array_equal(b2.logprobs, batch.logprobs)
     # each sample has its own random stream: prompt 5 alone gets the same responses as in the batch
     alone = gen.rollout(dataset, [5], 3, 2, 9)
-    assert [alone.record(i)["response_ids"].tolist() for i in range(3)] == [batch.record(i)["response_ids"].tolist() for i in range(3, 6)]
+    assert [alone.record(i)["response_ids"].tolist() for i in range(3)] == [
+        batch.record(i)["response_ids"].tolist() for i in range(3, 6)
+    ]
 
 
 def test_multi_turn_episode_masks_environment_tokens():
@@ -154,7 +158,9 @@ def test_multi_turn_episode_masks_environment_tokens():
 
 def test_multi_turn_rollout_with_the_model_and_context_limit(model):
     task = load_task(TaskSection(name="sokoban", params={"max_turns": 3, "instructions": False}))
-    gen = HFGenerator(model, TOK, task, SamplingParams(max_new_tokens=2, stop_ids=(TOK.eos_id,)), seed=1, max_context=64)
+    gen = HFGenerator(
+        model, TOK, task, SamplingParams(max_new_tokens=2, stop_ids=(TOK.eos_id,)), seed=1, max_context=64
+    )
     batch = gen.rollout(task.prompts(0), [0], group_size=2, gen_rank=0, policy_version=0)
     assert len(batch) == 2
     for i in range(2):
@@ -188,6 +194,7 @@ def test_vllm_backend_explains_what_is_missing():
 
     try:
         import vllm  # noqa: F401
+
         has_vllm = torch.cuda.is_available()
     except ImportError:
         has_vllm = False
@@ -206,8 +213,15 @@ def test_vllm_generates_like_the_sampler(model):
     from rollout_hpc.backends.generate_vllm import VLLMGenerator
 
     task = load_task(TaskSection(name="arithmetic", params={"max_operand": 4, "ops": "+"}))
-    gen = VLLMGenerator(CFG, TOK, task, SamplingParams(max_new_tokens=4, stop_ids=(TOK.eos_id,)), seed=0,
-                        model=model, gpu_memory_utilization=0.2)
+    gen = VLLMGenerator(
+        CFG,
+        TOK,
+        task,
+        SamplingParams(max_new_tokens=4, stop_ids=(TOK.eos_id,)),
+        seed=0,
+        model=model,
+        gpu_memory_utilization=0.2,
+    )
     out = gen.generate(prompts(), [1, 2, 3, 4])
     with torch.no_grad():
         scores = response_logprobs(model, prompts(), out.response_ids, TOK.pad_id)
@@ -218,6 +232,8 @@ def test_vllm_generates_like_the_sampler(model):
     out2 = gen.generate(prompts(), [1, 2, 3, 4])
     with torch.no_grad():
         scores2 = response_logprobs(other, prompts(), out2.response_ids, TOK.pad_id)
-    torch.testing.assert_close(torch.tensor(out2.logprobs[0]), scores2.logprobs[0, : len(out2.logprobs[0])], atol=2e-3, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(out2.logprobs[0]), scores2.logprobs[0, : len(out2.logprobs[0])], atol=2e-3, rtol=0
+    )
     batch = gen.rollout(task.prompts(0), [0, 1], 2, 0, 0)
     assert len(TrajectoryBatch.unpack(batch.pack())) == 4

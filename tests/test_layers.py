@@ -17,7 +17,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "rollout_hpc"
 # Bottom first. A unit (a top-level module or package of rollout_hpc) may import units of lower layers and
 # itself, nothing above. Units on one line form one layer and must not import each other.
 LAYERS: list[tuple[str, ...]] = [
-    ("__init__", "errors", "trajectory", "rundir_layout", "_ring"),  # contracts every layer shares; import nothing of ours
+    (
+        "__init__",
+        "errors",
+        "trajectory",
+        "rundir_layout",
+        "_ring",
+    ),  # contracts every layer shares; import nothing of ours
     ("algos",),  # the algorithm table (the config reads its names) and pure torch functions; imports nothing of ours
     ("config",),
     ("plugins",),
@@ -113,8 +119,11 @@ def test_imports_point_down():
 
 def test_architecture_doc_states_the_same_order():
     doc = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text()
-    order = [line.split("`")[1] for line in doc.splitlines() if line.startswith("| ") and line.count("`") >= 2
-             and line.split("|")[1].strip().isdigit()]
+    order = [
+        line.split("`")[1]
+        for line in doc.splitlines()
+        if line.startswith("| ") and line.count("`") >= 2 and line.split("|")[1].strip().isdigit()
+    ]
     assert order == [" ".join(units) for units in LAYERS], "docs/ARCHITECTURE.md's layer table differs from LAYERS"
 
 
@@ -122,7 +131,11 @@ def test_architecture_doc_states_the_same_order():
     "source, module, expect",
     [
         ("from rollout_hpc.exchange.forward import Exchange", "rollout_hpc.store.trajlog", 1),  # up
-        ("def f():\n    from rollout_hpc.launch import rundir", "rollout_hpc.runtime.checkpointing", 1),  # up, in a function
+        (
+            "def f():\n    from rollout_hpc.launch import rundir",
+            "rollout_hpc.runtime.checkpointing",
+            1,
+        ),  # up, in a function
         ("from rollout_hpc import commands", "rollout_hpc.launch.resume", 1),  # up, through the package
         ("from ..store import trajlog", "rollout_hpc.exchange.forward", 0),  # relative, down
         ("from . import atomic", "rollout_hpc.store.checkpoint", 0),  # same unit

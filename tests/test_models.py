@@ -140,15 +140,20 @@ def test_char_tokenizer_as_a_pretrained_fast_tokenizer_has_the_same_ids(tmp_path
         assert fast.encode(text) == tok.encode_prompt(text)  # BOS for a single sequence
         full = [tok.bos_id] + ids + [tok.eos_id, tok.pad_id]
         assert fast.decode(full, skip_special_tokens=True) == tok.decode(full) == text
-        assert fast.decode(full, skip_special_tokens=False) == tok.decode(full, skip_special=False) == f"<s>{text}</s><pad>"
+        assert (
+            fast.decode(full, skip_special_tokens=False)
+            == tok.decode(full, skip_special=False)
+            == f"<s>{text}</s><pad>"
+        )
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2? <s> not a marker"}]
     assert fast.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == tok.render_chat(messages)
     assert fast.encode(tok.render_chat(messages), add_special_tokens=False) == tok.encode_chat(messages)
 
     # Saved beside a Llama config.json, AutoTokenizer must load this pipeline, not the Llama tokenizer
     # (which would drop the spaces): tokenizer_config.json names PreTrainedTokenizerFast.
-    LlamaConfig(vocab_size=99, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                num_attention_heads=2).save_pretrained(tmp_path)
+    LlamaConfig(
+        vocab_size=99, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    ).save_pretrained(tmp_path)
     save_pretrained_tokenizer(fast, tmp_path)
     assert '"tokenizer_class": "PreTrainedTokenizerFast"' in (tmp_path / "tokenizer_config.json").read_text()
     loaded = AutoTokenizer.from_pretrained(tmp_path)

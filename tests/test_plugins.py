@@ -17,11 +17,15 @@ def write(tmp_path, name, body):
 
 
 def test_reward_file_overrides_the_task_reward(tmp_path):
-    path = write(tmp_path, "my_reward.py", """
+    path = write(
+        tmp_path,
+        "my_reward.py",
+        """
         def length_reward(prompt_item, response_text):
             # reward short answers that start with the right digit
             return 0.5 if response_text[:1] == prompt_item.answer[:1] else 0.0
-    """)
+    """,
+    )
     task = load_task(TaskSection(name="arithmetic", reward=f"{path}:length_reward"))
     p = Prompt("3+4=", answer="7")
     assert task.reward(p, "7") == 0.5 and task.reward(p, "1") == 0.0
@@ -29,7 +33,10 @@ def test_reward_file_overrides_the_task_reward(tmp_path):
 
 
 def test_task_plugin_from_a_module_with_params(tmp_path, monkeypatch):
-    write(tmp_path, "echo_task.py", """
+    write(
+        tmp_path,
+        "echo_task.py",
+        """
         class EchoTask:
             def __init__(self, word="hi"):
                 self.word = word
@@ -37,7 +44,8 @@ def test_task_plugin_from_a_module_with_params(tmp_path, monkeypatch):
                 return [f"say {self.word}:", f"again {self.word}:"]
             def reward(self, prompt, response_text):
                 return int(response_text == self.word)  # ints are accepted as rewards
-    """)
+    """,
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     task = load_task(TaskSection(name="echo_task:EchoTask", params={"word": "yo"}))
     assert task.prompts(0)[1] == "again yo:"
@@ -46,7 +54,10 @@ def test_task_plugin_from_a_module_with_params(tmp_path, monkeypatch):
 
 
 def test_multi_turn_plugin(tmp_path):
-    path = write(tmp_path, "guess.py", """
+    path = write(
+        tmp_path,
+        "guess.py",
+        """
         class Guess:
             max_turns = 3
             def reset(self, item):
@@ -60,7 +71,8 @@ def test_multi_turn_plugin(tmp_path):
                 return ["1", "2", "3"]
             def make_env(self):
                 return Guess()
-    """)
+    """,
+    )
     task = load_task(TaskSection(name=f"{path}:GuessTask"))
     assert is_multi_turn(task)
     env = task.make_env()
@@ -80,7 +92,10 @@ def test_errors_name_the_plugin(tmp_path):
     with pytest.raises(PluginError, match=rf"'{broken}:f'.*RuntimeError: boom at import"):
         load_reward(f"{broken}:f")
 
-    ok = write(tmp_path, "rewards.py", """
+    ok = write(
+        tmp_path,
+        "rewards.py",
+        """
         def good(p, r):
             return 1.0
         def wrong_type(p, r):
@@ -88,10 +103,15 @@ def test_errors_name_the_plugin(tmp_path):
         def nan(p, r):
             return float("nan")
         NOT_A_FUNCTION = 3
-    """)
-    with pytest.raises(PluginError, match=r"has no attribute 'missing' \(it defines: NOT_A_FUNCTION, good, nan, wrong_type\)"):
+    """,
+    )
+    with pytest.raises(
+        PluginError, match=r"has no attribute 'missing' \(it defines: NOT_A_FUNCTION, good, nan, wrong_type\)"
+    ):
         load_reward(f"{ok}:missing")
-    with pytest.raises(PluginError, match=rf"task.reward '{ok}:wrong_type' returned str '1.0'; a reward must be a float"):
+    with pytest.raises(
+        PluginError, match=rf"task.reward '{ok}:wrong_type' returned str '1.0'; a reward must be a float"
+    ):
         load_reward(f"{ok}:wrong_type")("p", "r")
     with pytest.raises(PluginError, match="must be finite"):
         load_reward(f"{ok}:nan")("p", "r")
@@ -100,7 +120,10 @@ def test_errors_name_the_plugin(tmp_path):
     with pytest.raises(PluginError, match="expected 'package.module:attr'"):
         load_reward(f"{ok}:")
 
-    not_task = write(tmp_path, "not_task.py", """
+    not_task = write(
+        tmp_path,
+        "not_task.py",
+        """
         class NoPrompts:
             def reward(self, p, r):
                 return 0.0
@@ -109,7 +132,8 @@ def test_errors_name_the_plugin(tmp_path):
                 return ["a"]
         def takes_nothing():
             return NoReward()
-    """)
+    """,
+    )
     with pytest.raises(PluginError, match=rf"task.name '{not_task}:NoPrompts' gave a NoPrompts without a prompts"):
         load_task(TaskSection(name=f"{not_task}:NoPrompts"))
     with pytest.raises(PluginError, match="neither reward"):

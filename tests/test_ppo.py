@@ -80,15 +80,26 @@ def _optimizer_lr(state) -> float:
 def _same_optimizer_share(got, ref) -> bool:
     """Two DeepSpeed shards hold bitwise-equal optimizer entries (fp32 master values, AdamW moments, step)."""
     a, b = got["optimizer"], ref["optimizer"]
-    return (torch.equal(a["step"], b["step"]) and sorted(a["params"]) == sorted(b["params"])
-            and all(torch.equal(a["params"][n][k], v) for n, e in b["params"].items() for k, v in e.items()))
+    return (
+        torch.equal(a["step"], b["step"])
+        and sorted(a["params"]) == sorted(b["params"])
+        and all(torch.equal(a["params"][n][k], v) for n, e in b["params"].items() for k, v in e.items())
+    )
 
 
 def test_ppo_on_deepspeed_zero3_trains_the_critic_and_resumes_it_exactly(tmp_path):
     # Two trainer ranks, ZeRO-3: policy and critic are two engines with partitioned parameters and optimizer states.
-    run = [*PPO, "trainer.backend=deepspeed", "trainer.zero_stage=3", "trainer.tasks_per_node=2",
-           "algorithm.steps=4", "checkpoint.every_steps=2", "algorithm.lr=0.01", "algorithm.critic_lr=0.005",
-           "algorithm.value_clip=0.5"]
+    run = [
+        *PPO,
+        "trainer.backend=deepspeed",
+        "trainer.zero_stage=3",
+        "trainer.tasks_per_node=2",
+        "algorithm.steps=4",
+        "checkpoint.every_steps=2",
+        "algorithm.lr=0.01",
+        "algorithm.critic_lr=0.005",
+        "algorithm.value_clip=0.5",
+    ]
     whole = tmp_path / "whole"
     _, res = run_loop(whole, run, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
@@ -133,9 +144,26 @@ def test_ppo_with_megatron_is_refused_by_validate(tmp_path):
     # Megatron's GPT model has no value head here: the config says so before anything is submitted.
     write_config(tmp_path, [*PPO])
     config = tmp_path / "config.resolved.yaml"
-    done = subprocess.run([sys.executable, "-m", "rollout_hpc", "validate", config, "--set", "algorithm.name=ppo",
-                           "--set", "trainer.backend=megatron", "--set", "trainer.gpus_per_task=1",
-                           "--set", "slurm.gpus_per_node=1"], cwd=tmp_path, capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollout_hpc",
+            "validate",
+            config,
+            "--set",
+            "algorithm.name=ppo",
+            "--set",
+            "trainer.backend=megatron",
+            "--set",
+            "trainer.gpus_per_task=1",
+            "--set",
+            "slurm.gpus_per_node=1",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 2, done.stdout + done.stderr
     assert "algorithm.name 'ppo' needs a critic, which trainer.backend 'megatron' does not have" in done.stderr
     assert "Traceback" not in done.stderr

@@ -11,7 +11,7 @@ import torch
 from tiny_hf import make_tiny_qwen
 from transformers import AutoTokenizer
 
-from rollout_hpc.backends.generate_hf import SamplingParams, cut_at_stop_strings, generate, Generation
+from rollout_hpc.backends.generate_hf import Generation, SamplingParams, cut_at_stop_strings, generate
 from rollout_hpc.config import AlgorithmSection, ModelSection, TaskSection
 from rollout_hpc.envs import load_task
 from rollout_hpc.envs.base import Prompt
@@ -37,7 +37,8 @@ def test_chat_prompt_is_the_templates_text_with_the_assistant_turn_opened(qwen):
     tok = load_tokenizer(ModelSection(path=str(qwen)))
     ids = encode_prompt_item(tok, CHAT[0])
     reference = AutoTokenizer.from_pretrained(qwen).apply_chat_template(
-        [dict(m) for m in CHAT[0].messages], add_generation_prompt=True, tokenize=False)
+        [dict(m) for m in CHAT[0].messages], add_generation_prompt=True, tokenize=False
+    )
     assert tok.decode(ids, skip_special=False) == reference
     assert reference.endswith("<|im_start|>assistant\n")
     # none: raw text of the turns, no template markers
@@ -55,16 +56,25 @@ def test_a_jinja_file_replaces_the_template(tmp_path, qwen):
     template = tmp_path / "plain.jinja"
     template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] ")
     (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "hi there", "answer": "x"}) + "\n")
-    task = load_task(TaskSection(name="dataset", reward="exact",
-                                 params={"train": str(tmp_path / "d.jsonl"), "chat_template": str(template),
-                                         "system_prompt": "Answer."}))
+    task = load_task(
+        TaskSection(
+            name="dataset",
+            reward="exact",
+            params={"train": str(tmp_path / "d.jsonl"), "chat_template": str(template), "system_prompt": "Answer."},
+        )
+    )
     item = task.prompts(0)[0]
     tok = load_tokenizer(ModelSection(path=str(qwen)))
     text = tok.decode(encode_prompt_item(tok, item, task.chat_template), skip_special=False)
     assert text == "[system] Answer.\n[user] hi there\n[assistant] "
     with pytest.raises(Exception, match="chat_template"):
-        load_task(TaskSection(name="dataset", reward="exact",
-                              params={"train": str(tmp_path / "d.jsonl"), "chat_template": str(tmp_path / "nope.jinja")}))
+        load_task(
+            TaskSection(
+                name="dataset",
+                reward="exact",
+                params={"train": str(tmp_path / "d.jsonl"), "chat_template": str(tmp_path / "nope.jinja")},
+            )
+        )
 
 
 def test_built_in_tokenizer_has_a_template_of_its_own():
@@ -111,13 +121,19 @@ def test_stop_strings_and_greedy_in_the_sampling_loop():
 
     model = LlamaForCausalLM(tiny_config(ModelSection(), tok.vocab_size)).eval()
     prompts = [tok.encode_prompt("1+1=")] * 3
-    free = generate(model, prompts, SamplingParams(max_new_tokens=12, stop_ids=(tok.eos_id,)), tok.pad_id,
-                    [torch.Generator().manual_seed(s) for s in range(3)])
+    free = generate(
+        model,
+        prompts,
+        SamplingParams(max_new_tokens=12, stop_ids=(tok.eos_id,)),
+        tok.pad_id,
+        [torch.Generator().manual_seed(s) for s in range(3)],
+    )
     # pick a character the free run produced and make it a stop string: the response must end right after it
     target = next(c for ids in free.response_ids for c in tok.decode(ids) if c.strip())
     params = SamplingParams(max_new_tokens=12, stop_ids=(tok.eos_id,), stop=(target,))
-    stopped = generate(model, prompts, params, tok.pad_id, [torch.Generator().manual_seed(s) for s in range(3)],
-                       stop_text=tok.decode)
+    stopped = generate(
+        model, prompts, params, tok.pad_id, [torch.Generator().manual_seed(s) for s in range(3)], stop_text=tok.decode
+    )
     for full, cut in zip(free.response_ids, stopped.response_ids):
         text = tok.decode(full)
         if target in text:

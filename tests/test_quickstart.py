@@ -22,7 +22,9 @@ STEPS = 150
 
 
 def cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rollout_hpc", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "rollout_hpc", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def assert_learned(run_dir: Path) -> tuple[float, float]:
@@ -36,8 +38,16 @@ def assert_learned(run_dir: Path) -> tuple[float, float]:
 
 
 def test_quickstart_learns_locally(tmp_path):
-    done = cli("submit", str(QUICKSTART), "--local", "--run-dir", str(tmp_path / "run"), "--set", f"algorithm.steps={STEPS}",
-               cwd=tmp_path)
+    done = cli(
+        "submit",
+        str(QUICKSTART),
+        "--local",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--set",
+        f"algorithm.steps={STEPS}",
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     # The progress line, once per step, from the trainer.
     lines = [l for l in done.stdout.splitlines() if l.startswith("step ")]

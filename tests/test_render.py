@@ -62,8 +62,16 @@ def test_rendered_script_has_both_het_components(tmp_path):
     bash_syntax_ok(script, tmp_path)
     assert script.count("#SBATCH hetjob") == 1
     gen, train = directives(script)
-    assert {"--nodes=2", "--ntasks-per-node=4", "--gpus-per-task=1", "--cpus-per-task=8", "--mem=480G",
-            "--partition=gpu", "--account=my-project", "--time=1-00:00:00"} <= set(gen)
+    assert {
+        "--nodes=2",
+        "--ntasks-per-node=4",
+        "--gpus-per-task=1",
+        "--cpus-per-task=8",
+        "--mem=480G",
+        "--partition=gpu",
+        "--account=my-project",
+        "--time=1-00:00:00",
+    } <= set(gen)
     assert {"--nodes=4", "--ntasks-per-node=8", "--gpus-per-task=1", "--mem=960G", "--partition=gpu"} <= set(train)
     assert {"--signal=B:USR1@600", "--requeue", "--open-mode=append", "--job-name=grpo-7b"} <= set(gen)
     assert f"--output={tmp_path}/run/logs/slurm-%j.out" in gen and f"--error={tmp_path}/run/logs/slurm-%j.err" in gen
@@ -83,8 +91,10 @@ def test_one_job_step_spans_both_groups():
 
 def test_signal_trap_and_requeue_hook():
     script = render_script(load_config(None, ["slurm.max_requeues=3"]), Path("/runs/x"))
-    assert "on_warning()" in script and "trap 'on_warning USR1' USR1" in script and "trap 'on_warning TERM' TERM" in script
-    assert "scontrol requeue \"$SLURM_JOB_ID\"" in script
+    assert (
+        "on_warning()" in script and "trap 'on_warning USR1' USR1" in script and "trap 'on_warning TERM' TERM" in script
+    )
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in script
     assert "export ROLLOUT_MAX_REQUEUES=3" in script
     # Open MPI's root switches are decided when the job runs, not when it is rendered.
     assert '[ "$(id -u)" = 0 ]' in script
@@ -99,17 +109,28 @@ def test_pyxis_container_goes_on_srun(tmp_path):
 
 
 def test_apptainer_container_prefixes_python(tmp_path):
-    cfg = load_config(None, ["slurm.container={image: /img/r.sif, runtime: apptainer, mounts: [/scratch]}",
-                             "generator.gpus_per_task=1"])
+    cfg = load_config(
+        None,
+        ["slurm.container={image: /img/r.sif, runtime: apptainer, mounts: [/scratch]}", "generator.gpus_per_task=1"],
+    )
     script = render_script(cfg, tmp_path)
     bash_syntax_ok(script, tmp_path)
     assert "exec_prefix=(apptainer exec --nv --bind /scratch /img/r.sif)" in script
 
 
 def test_extra_lines_env_and_gres(tmp_path):
-    cfg = load_config(None, ["slurm.extra_sbatch=[--mail-type=END, --exclusive]", "slurm.gpu_request=gres",
-                             "trainer.gpus_per_task=2", "trainer.tasks_per_node=4", "slurm.qos=high",
-                             "slurm.env={MSG: 'it''s $HOME'}", "trainer.partition=big"])
+    cfg = load_config(
+        None,
+        [
+            "slurm.extra_sbatch=[--mail-type=END, --exclusive]",
+            "slurm.gpu_request=gres",
+            "trainer.gpus_per_task=2",
+            "trainer.tasks_per_node=4",
+            "slurm.qos=high",
+            "slurm.env={MSG: 'it''s $HOME'}",
+            "trainer.partition=big",
+        ],
+    )
     script = render_script(cfg, tmp_path)
     bash_syntax_ok(script, tmp_path)
     gen, train = directives(script)
@@ -126,6 +147,6 @@ def test_run_dir_with_space_is_refused(tmp_path):
 def test_rendered_script_keeps_base_body(tmp_path):
     """The rendered script runs the base template's body: only the blocks differ."""
     script = render_script(load_config(REPO / "configs" / "hello.yaml"), tmp_path)
-    for marker in ("wait_step()", "requeue_if_asked()", "rollout_hpc prepare", "exit \"$rc\""):
+    for marker in ("wait_step()", "requeue_if_asked()", "rollout_hpc prepare", 'exit "$rc"'):
         assert marker in script
     assert re.search(r"^#!/bin/bash\n", script)

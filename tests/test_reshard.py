@@ -19,7 +19,14 @@ from test_loop import TINY, columns, run_loop
 from rollout_hpc.store.checkpoint import list_checkpoints, load_checkpoint
 
 STEPS, P, G = 3, 8, 4
-RUN = ["algorithm.name=ppo", "trainer.backend=deepspeed", f"algorithm.steps={STEPS}", "checkpoint.every_steps=2", "algorithm.lr=0.01", "run.seed=0"]
+RUN = [
+    "algorithm.name=ppo",
+    "trainer.backend=deepspeed",
+    f"algorithm.steps={STEPS}",
+    "checkpoint.every_steps=2",
+    "algorithm.lr=0.01",
+    "run.seed=0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +51,13 @@ def consolidated(info, part=None) -> dict:
         params.update(shard["optimizer"]["params"])
     steps = {float(s["optimizer"]["step"]) for s in shards}
     assert len(steps) == 1
-    return {"weights": shards[0]["weights"], "params": params, "adam_step": steps.pop(),
-            "steps_done": {int(s["steps_done"]) for s in shards}, "n_shards": len(shards)}
+    return {
+        "weights": shards[0]["weights"],
+        "params": params,
+        "adam_step": steps.pop(),
+        "steps_done": {int(s["steps_done"]) for s in shards},
+        "n_shards": len(shards),
+    }
 
 
 def assert_same(got: dict, ref: dict) -> None:
@@ -70,7 +82,8 @@ def assert_each_sample_once(run_dir) -> None:
 def flip_a_byte(shard_file) -> None:
     with h5py.File(shard_file, "r") as f:
         offset = f["state/tree/optimizer/params"].visititems(
-            lambda _, obj: obj.id.get_offset() if isinstance(obj, h5py.Dataset) and obj.size > 8 else None)
+            lambda _, obj: obj.id.get_offset() if isinstance(obj, h5py.Dataset) and obj.size > 8 else None
+        )
     with open(shard_file, "r+b") as f:
         f.seek(offset + 5)
         byte = f.read(1)[0]
@@ -80,7 +93,9 @@ def flip_a_byte(shard_file) -> None:
 
 # ZeRO-1 over 3 ranks also meets a damaged newest checkpoint: its shard 1 (read by rank 1 only) fails
 # verification, so every rank falls back to step 2 together.
-@pytest.mark.parametrize("stage, ranks", [(2, 1), (1, 3), (3, 2)], ids=["zero2-1rank", "zero1-3ranks-damaged", "zero3-2ranks"])
+@pytest.mark.parametrize(
+    "stage, ranks", [(2, 1), (1, 3), (3, 2)], ids=["zero2-1rank", "zero1-3ranks-damaged", "zero3-2ranks"]
+)
 def test_resume_a_zero2_checkpoint_on_another_layout(tmp_path, zero2_over_2, stage, ranks):
     run_dir = tmp_path / "run"
     shutil.copytree(zero2_over_2, run_dir)

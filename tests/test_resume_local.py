@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 from test_loop import _rank_pid
 
@@ -33,8 +32,9 @@ def reward(prompt, text):
 """
 
 
-def write_run_config(directory: Path, name: str, steps: int = STEPS, sleep: float = 0.1, launcher: str = "local",
-                     extra: str = "") -> Path:
+def write_run_config(
+    directory: Path, name: str, steps: int = STEPS, sleep: float = 0.1, launcher: str = "local", extra: str = ""
+) -> Path:
     """A tiny run: 1 generator + 1 trainer rank, `steps` steps of PROMPTS x GROUP samples, checkpoints every 3."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "slow_reward.py").write_text(SLOW_REWARD.format(sleep=sleep))
@@ -42,7 +42,7 @@ def write_run_config(directory: Path, name: str, steps: int = STEPS, sleep: floa
     path.write_text(f"""
 run: {{name: {name}, seed: 0}}
 launcher: {launcher}
-task: {{name: arithmetic, params: {{max_operand: 4, ops: "+"}}, reward: "{directory / 'slow_reward.py'}:reward"}}
+task: {{name: arithmetic, params: {{max_operand: 4, ops: "+"}}, reward: "{directory / "slow_reward.py"}:reward"}}
 algorithm: {{steps: {steps}, prompts_per_step: {PROMPTS}, group_size: {GROUP}, max_new_tokens: 1}}
 checkpoint: {{every_steps: 3, keep_last: 3}}
 {extra}""")
@@ -50,8 +50,9 @@ checkpoint: {{every_steps: 3, keep_last: 3}}
 
 
 def cli(*args, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rollout_hpc", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "rollout_hpc", *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def weights_digest(run_dir: Path) -> str:
@@ -77,8 +78,13 @@ class Interruptible:
     """A foreground `rollout-hpc submit/resume --local` whose output is read until a given step has been printed."""
 
     def __init__(self, *args, cwd: Path):
-        self.proc = subprocess.Popen([sys.executable, "-m", "rollout_hpc", *map(str, args)], cwd=cwd,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rollout_hpc", *map(str, args)],
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: list[str] = []
 
     def wait_for_step(self, step: int) -> None:
@@ -174,15 +180,32 @@ def test_refusals_and_force(tmp_path, reference):
 
     # A changed model or algorithm is refused, naming what differs; nothing is changed in the run directory.
     resolved = (run_dir / "config.resolved.yaml").read_text()
-    done = cli("resume", run_dir, "--local", "--set", "model.hidden_size=32", "--set", f"algorithm.steps={STEPS + 2}",
-               cwd=tmp_path)
+    done = cli(
+        "resume",
+        run_dir,
+        "--local",
+        "--set",
+        "model.hidden_size=32",
+        "--set",
+        f"algorithm.steps={STEPS + 2}",
+        cwd=tmp_path,
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "model.hidden_size: 64 -> 32" in done.stderr and "--force" in done.stderr, done.stderr
     assert (run_dir / "config.resolved.yaml").read_text() == resolved
 
     # --force names the change, and the ranks accept the checkpoint too: the run continues to the new end.
-    done = cli("resume", run_dir, "--local", "--force", "--set", "algorithm.lr=0.002",
-               "--set", f"algorithm.steps={STEPS + 2}", cwd=tmp_path)
+    done = cli(
+        "resume",
+        run_dir,
+        "--local",
+        "--force",
+        "--set",
+        "algorithm.lr=0.002",
+        "--set",
+        f"algorithm.steps={STEPS + 2}",
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "--force" in done.stdout and "algorithm.lr: 0.001 -> 0.002" in done.stdout
     assert f"resuming from step-{STEPS:08d}.h5: step {STEPS} of {STEPS + 2}" in done.stdout

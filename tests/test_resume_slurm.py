@@ -23,7 +23,11 @@ def submitted_job(done) -> str:
 
 def job_log(run_dir: Path, job_id: str) -> str:
     logs = run_dir / "logs"
-    return "".join((logs / f"slurm-{job_id}.{ext}").read_text() for ext in ("out", "err") if (logs / f"slurm-{job_id}.{ext}").exists())
+    return "".join(
+        (logs / f"slurm-{job_id}.{ext}").read_text()
+        for ext in ("out", "err")
+        if (logs / f"slurm-{job_id}.{ext}").exists()
+    )
 
 
 def test_time_limit_warning_requeues_and_the_run_finishes(slurm_cluster, tmp_path):
@@ -32,8 +36,14 @@ def test_time_limit_warning_requeues_and_the_run_finishes(slurm_cluster, tmp_pat
     # would signal the job as it starts). 90 steps of ~1 s (a slow reward) are ~90 s of work, so the run cannot finish
     # before the first allocation's warning, whenever in that window it comes (50 steps raced it on a fast machine).
     steps = 90
-    config = write_run_config(tmp_path, "warned", steps=steps, sleep=0.25, launcher="slurm",
-                              extra='slurm: {time: "00:02:00", signal_lead_seconds: 60, max_requeues: 6}')
+    config = write_run_config(
+        tmp_path,
+        "warned",
+        steps=steps,
+        sleep=0.25,
+        launcher="slurm",
+        extra='slurm: {time: "00:02:00", signal_lead_seconds: 60, max_requeues: 6}',
+    )
     job_id = submitted_job(cli("submit", config, "--run-dir", tmp_path / "warned", cwd=tmp_path))
     run_dir = tmp_path / "warned"
     state = slurm_cluster.wait_job(int(job_id), timeout=600)

@@ -43,6 +43,7 @@ def alive(pid: int) -> bool:
 
 # ----------------------------------------------------------------------------------------------------- answers
 
+
 def test_gold_answer_forms():
     assert gold_answer(42) == ("42",)
     assert gold_answer(0.5) == ("0.5",)
@@ -68,37 +69,44 @@ def test_extraction_helpers():
 
 # -------------------------------------------------------------------------------------------------------- math
 
-@pytest.mark.parametrize("response, answer", [
-    (r"The probability is \boxed{\frac{1}{2}}.", "0.5"),
-    (r"so we get $\boxed{\dfrac12}$", r"\frac{1}{2}"),
-    (r"\boxed{0.5}", r"$\frac{1}{2}$"),
-    (r"Thus \boxed{\sqrt{2}}", r"$\sqrt{2}$"),
-    ("He has 1000 + 234 apples, so 1234", "Natalia sold ... <<x=y>>\n#### 1,234"),
-    ("so the answer is 42.", 42),
-    ("so the answer is 42.", "42"),
-    ("The total is 1,234 dollars", "1234"),
-    ("It drops to -3.5 degrees", "-3.5"),
-    ("7.0", 7),
-    (r"First \boxed{3}, no wait: \boxed{4}", "4"),
-    (r"\boxed{1,234}", "1234"),
-    ("answer: 12", ["11", "12"]),
-])
+
+@pytest.mark.parametrize(
+    "response, answer",
+    [
+        (r"The probability is \boxed{\frac{1}{2}}.", "0.5"),
+        (r"so we get $\boxed{\dfrac12}$", r"\frac{1}{2}"),
+        (r"\boxed{0.5}", r"$\frac{1}{2}$"),
+        (r"Thus \boxed{\sqrt{2}}", r"$\sqrt{2}$"),
+        ("He has 1000 + 234 apples, so 1234", "Natalia sold ... <<x=y>>\n#### 1,234"),
+        ("so the answer is 42.", 42),
+        ("so the answer is 42.", "42"),
+        ("The total is 1,234 dollars", "1234"),
+        ("It drops to -3.5 degrees", "-3.5"),
+        ("7.0", 7),
+        (r"First \boxed{3}, no wait: \boxed{4}", "4"),
+        (r"\boxed{1,234}", "1234"),
+        ("answer: 12", ["11", "12"]),
+    ],
+)
 def test_math_reward_correct(response, answer):
     assert math_reward(response, answer) == 1.0
 
 
-@pytest.mark.parametrize("response, answer", [
-    (r"The probability is \boxed{\frac{1}{3}}.", "0.5"),
-    ("so the answer is 41.", "#### 42"),
-    (r"\boxed{4} although 3 is tempting", "3"),  # the boxed answer wins over the last number
-    (r"First \boxed{3}, no wait: \boxed{4}", "3"),
-    ("asdf {{{ \\frac{ $$ ]]", "1"),
-    ("", "42"),
-    (None, "42"),
-    ("42", None),
-    (r"\boxed{}", "0"),
-    ("\x00\udcff garbage \\boxed{\\frac{", "1"),
-])
+@pytest.mark.parametrize(
+    "response, answer",
+    [
+        (r"The probability is \boxed{\frac{1}{3}}.", "0.5"),
+        ("so the answer is 41.", "#### 42"),
+        (r"\boxed{4} although 3 is tempting", "3"),  # the boxed answer wins over the last number
+        (r"First \boxed{3}, no wait: \boxed{4}", "3"),
+        ("asdf {{{ \\frac{ $$ ]]", "1"),
+        ("", "42"),
+        (None, "42"),
+        ("42", None),
+        (r"\boxed{}", "0"),
+        ("\x00\udcff garbage \\boxed{\\frac{", "1"),
+    ],
+)
 def test_math_reward_wrong_or_garbage(response, answer):
     assert math_reward(response, answer) == 0.0
 
@@ -110,6 +118,7 @@ def test_math_reward_symbolic_string_answers():
 
 
 # ---------------------------------------------------------------------------------------------- exact / regex
+
 
 def test_exact_reward():
     assert exact_reward("  Paris. ", "paris") == 1.0
@@ -149,6 +158,7 @@ def test_invalid_regex_names_pattern_and_reason():
 
 # ------------------------------------------------------------------------------------------- format / builtins
 
+
 def test_format_ok():
     assert format_ok(r"so \boxed{3}", "math") and not format_ok("so 3", "math")
     assert format_ok("<answer>3</answer>", r"<answer>.*</answer>")
@@ -165,7 +175,7 @@ def test_builtin_reward_specs_and_format_bonus():
 
     m = builtin_reward("math", format_weight=0.1)
     assert m("0.5", r"\boxed{\frac12}") == pytest.approx(1.1)
-    assert m("0.5", "0.5") == 1.0          # right, but not boxed
+    assert m("0.5", "0.5") == 1.0  # right, but not boxed
     assert m("2", r"\boxed{3}") == pytest.approx(0.1)  # wrong, but well formatted
 
     e = builtin_reward("exact", 0.5, r"^\w+$")
@@ -178,6 +188,7 @@ def test_builtin_reward_specs_and_format_bonus():
 
 
 # -------------------------------------------------------------------------------------------------------- pool
+
 
 @pytest.fixture
 def pool_factory():
@@ -301,13 +312,16 @@ def test_pool_non_number_is_fatal(pool_factory):
         pool.score([(1, "x")])
 
 
-@pytest.mark.parametrize("factory, expected", [
-    ("reward_plugins:broken_factory", "RuntimeError: cannot load the reward model"),
-    ("reward_plugins:not_callable", "not a function"),
-    ("reward_plugins:no_such_factory", "has no attribute 'no_such_factory'"),
-    ("no_such_module_xyz:fn", "module 'no_such_module_xyz' not found"),
-    ("tests/no_such_file.py:fn", "not found"),
-])
+@pytest.mark.parametrize(
+    "factory, expected",
+    [
+        ("reward_plugins:broken_factory", "RuntimeError: cannot load the reward model"),
+        ("reward_plugins:not_callable", "not a function"),
+        ("reward_plugins:no_such_factory", "has no attribute 'no_such_factory'"),
+        ("no_such_module_xyz:fn", "module 'no_such_module_xyz' not found"),
+        ("tests/no_such_file.py:fn", "not found"),
+    ],
+)
 def test_pool_factory_failure_is_fatal(pool_factory, factory, expected):
     pool = pool_factory(factory, name="task.reward")
     with pytest.raises(RewardFatal) as err:
@@ -366,7 +380,7 @@ def test_workers_exit_when_the_rank_dies_even_in_a_hung_job(tmp_path, repo_root,
     script.write_text(f"""
 import os, sys, threading, time
 from rollout_hpc.rewards import RewardPool
-pool = RewardPool({str(PLUGINS) + ':hangs'!r}, n_workers=2, timeout_s=600)
+pool = RewardPool({str(PLUGINS) + ":hangs"!r}, n_workers=2, timeout_s=600)
 pool.warmup()
 print(*pool.pids, flush=True)
 threading.Thread(target=pool.score, args=([("hang", ""), ("hang", "")],), daemon=True).start()
@@ -396,8 +410,13 @@ def test_bench_quick_reports_json(repo_root, venv_python):
     import json
     import subprocess
 
-    out = subprocess.run([str(venv_python), str(repo_root / "tools" / "bench_rewards.py"), "--quick"],
-                         capture_output=True, text=True, timeout=120, cwd=repo_root)
+    out = subprocess.run(
+        [str(venv_python), str(repo_root / "tools" / "bench_rewards.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=repo_root,
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["jobs"] == 128 and result["pool_ms"] > 0 and result["in_process_ms"] > 0

@@ -31,9 +31,18 @@ def path(tmp_path):
 def test_ring_path_is_per_run_job_node_and_sanitised(tmp_path):
     a = ring_path(str(tmp_path), "run/1", 7, "n0", "exp")
     assert os.path.dirname(a) == str(tmp_path)
-    assert "/" not in os.path.basename(a)[len("rollout-hpc"):]
-    assert len({a, ring_path(str(tmp_path), "run/1", 8, "n0", "exp"), ring_path(str(tmp_path), "run/1", 7, "n1", "exp"),
-                ring_path(str(tmp_path), "run2", 7, "n0", "exp")}) == 4
+    assert "/" not in os.path.basename(a)[len("rollout-hpc") :]
+    assert (
+        len(
+            {
+                a,
+                ring_path(str(tmp_path), "run/1", 8, "n0", "exp"),
+                ring_path(str(tmp_path), "run/1", 7, "n1", "exp"),
+                ring_path(str(tmp_path), "run2", 7, "n0", "exp"),
+            }
+        )
+        == 4
+    )
     assert ring_path(None, "r", 1, "n", "p").startswith("/dev/shm/")
 
 
@@ -90,7 +99,7 @@ def test_wraparound_with_mixed_sizes_keeps_content(path):
     r = Ring.create(path, 8192)
     rng = np.random.default_rng(0)
     pending = []
-    for i in range(3000):
+    for _ in range(3000):
         data = rng.integers(0, 256, int(rng.integers(0, 3000)), dtype=np.uint8).tobytes()
         while not r.try_push(data):
             assert r.pop() == pending.pop(0)
@@ -173,7 +182,7 @@ def test_reserve_writes_in_place_and_abandon_is_skipped(path):
     with pytest.raises(ZeroDivisionError):
         with r.reserve(16) as buf:
             buf[:8] = b"partial!"
-            1 / 0
+            raise ZeroDivisionError("the block fails after writing part of the record")
     with r.reserve(8) as buf:
         np.frombuffer(buf, np.int64)[0] = 123456789
     assert struct.unpack("<q", r.pop())[0] == 123456789

@@ -14,9 +14,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from test_ring_workers import check_record
 
 from rollout_hpc.exchange.ring import Ring, RingClosed, RingTimeout, ring_path
-from test_ring_workers import check_record
 
 WORKERS = str(Path(__file__).with_name("test_ring_workers.py"))
 
@@ -52,8 +52,9 @@ def read_log(path) -> set[int]:
 
 @pytest.fixture
 def path(tmp_path):
-    p = ring_path("/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path), "pytest", os.getpid(), "node0",
-                  tmp_path.name)
+    p = ring_path(
+        "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path), "pytest", os.getpid(), "node0", tmp_path.name
+    )
     yield p
     if os.path.exists(p):
         os.unlink(p)

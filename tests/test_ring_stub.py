@@ -81,7 +81,8 @@ def test_class_members_match_stub(name):
         assert stub_params == runtime_params, f"{name}.{m}: stub {stub_params} vs module {runtime_params}"
         stub_defaults = len(node.args.defaults)
         runtime_defaults = sum(
-            p.default is not inspect.Parameter.empty for p in inspect.signature(getattr(runtime_cls, m)).parameters.values()
+            p.default is not inspect.Parameter.empty
+            for p in inspect.signature(getattr(runtime_cls, m)).parameters.values()
         )
         assert stub_defaults == runtime_defaults, f"{name}.{m}: optional parameters differ"
 

@@ -13,11 +13,20 @@ def _batch(n=3, seed=0):
     recs = []
     for i in range(n):
         r = int(rng.integers(0, 9))
-        recs.append({
-            "prompt_id": 10 + i, "sample_idx": i, "gen_rank": 2, "policy_version": 7, "reward": 0.5 * i,
-            "prompt_ids": rng.integers(0, 50, int(rng.integers(0, 6))), "response_ids": rng.integers(0, 50, r),
-            "logprobs": -rng.random(r), "loss_mask": rng.integers(0, 2, r), "turn_starts": [0, max(0, r - 1)][: 1 + (r > 2)],
-        })
+        recs.append(
+            {
+                "prompt_id": 10 + i,
+                "sample_idx": i,
+                "gen_rank": 2,
+                "policy_version": 7,
+                "reward": 0.5 * i,
+                "prompt_ids": rng.integers(0, 50, int(rng.integers(0, 6))),
+                "response_ids": rng.integers(0, 50, r),
+                "logprobs": -rng.random(r),
+                "loss_mask": rng.integers(0, 2, r),
+                "turn_starts": [0, max(0, r - 1)][: 1 + (r > 2)],
+            }
+        )
     return TrajectoryBatch.from_records(recs), recs
 
 
@@ -50,7 +59,9 @@ def test_unknown_layout_version_names_both_versions():
     buf = _batch()[0].pack()
     buf[4:8] = (LAYOUT_VERSION + 5).to_bytes(4, "little")
     for read in (TrajectoryBatch.unpack, TrajectoryBatch.peek):
-        with pytest.raises(LayoutError, match=f"layout version {LAYOUT_VERSION + 5}; this rollout-hpc reads version {LAYOUT_VERSION}"):
+        with pytest.raises(
+            LayoutError, match=f"layout version {LAYOUT_VERSION + 5}; this rollout-hpc reads version {LAYOUT_VERSION}"
+        ):
             read(buf)
 
 

@@ -18,10 +18,22 @@ from rollout_hpc.launch.render import render_script
 
 # Every field that reaches the job script, with a value it accepts (the script's shape with a harmless value).
 BENIGN = {
-    "slurm.partition": "p", "slurm.account": "a", "slurm.qos": "q", "slurm.constraint": "c", "slurm.python": "py",
-    "slurm.container.image": "img", "generator.mem": "1G", "generator.partition": "p", "generator.constraint": "c",
-    "trainer.mem": "1G", "trainer.partition": "p", "trainer.constraint": "c", "slurm.extra_sbatch.0": "--x=1",
-    "slurm.modules.0": "m", "slurm.env.FOO": "v", "slurm.container.mounts.0": "/a:/b",
+    "slurm.partition": "p",
+    "slurm.account": "a",
+    "slurm.qos": "q",
+    "slurm.constraint": "c",
+    "slurm.python": "py",
+    "slurm.container.image": "img",
+    "generator.mem": "1G",
+    "generator.partition": "p",
+    "generator.constraint": "c",
+    "trainer.mem": "1G",
+    "trainer.partition": "p",
+    "trainer.constraint": "c",
+    "slurm.extra_sbatch.0": "--x=1",
+    "slurm.modules.0": "m",
+    "slurm.env.FOO": "v",
+    "slurm.container.mounts.0": "/a:/b",
 }
 FIELDS = list(BENIGN)
 
@@ -65,12 +77,26 @@ def test_no_value_ever_leaves_its_line(field, value):
 
 
 def test_the_found_injection_is_refused_with_the_field_named(tmp_path):
-    for override in ('slurm.account="x\\ntouch /tmp/pwned"', 'generator.mem="64G\\nid"', 'slurm.extra_sbatch=["--x=1\\nid"]'):
+    for override in (
+        'slurm.account="x\\ntouch /tmp/pwned"',
+        'generator.mem="64G\\nid"',
+        'slurm.extra_sbatch=["--x=1\\nid"]',
+    ):
         with pytest.raises(ConfigError, match=override.split("=")[0]):
             load_config(None, [override])
-    done = subprocess.run([sys.executable, "-m", "rollout_hpc", "validate", "--set", 'slurm.account="x\\ntouch /tmp/pwned"',
-                           str(Path(__file__).parents[1] / "configs" / "quickstart.yaml")],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollout_hpc",
+            "validate",
+            "--set",
+            'slurm.account="x\\ntouch /tmp/pwned"',
+            str(Path(__file__).parents[1] / "configs" / "quickstart.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 2 and "slurm.account" in done.stderr and "Traceback" not in done.stderr
 
 

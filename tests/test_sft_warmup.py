@@ -25,7 +25,7 @@ def write_config(directory: Path, name: str) -> Path:
     path.write_text(f"""
 run: {{name: {name}, seed: 0}}
 launcher: local
-task: {{name: arithmetic, params: {{max_operand: 4, ops: "+"}}, reward: "{directory / 'slow_reward.py'}:reward"}}
+task: {{name: arithmetic, params: {{max_operand: 4, ops: "+"}}, reward: "{directory / "slow_reward.py"}:reward"}}
 algorithm: {{steps: {STEPS}, prompts_per_step: {PROMPTS}, group_size: {GROUP}, max_new_tokens: 2}}
 warmup: {{sft_steps: {WARMUP}, batch_size: 64}}
 eval: {{every_steps: 0, at_start: true}}
@@ -36,8 +36,13 @@ checkpoint: {{every_steps: 3, keep_last: 3}}
 
 def run_until(args, cwd: Path, marker: str) -> subprocess.Popen:
     """Start a foreground run and read its output until a line starts with `marker` (kept in proc.seen)."""
-    proc = subprocess.Popen([sys.executable, "-m", "rollout_hpc", *map(str, args)], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollout_hpc", *map(str, args)],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     seen = []
     for line in proc.stdout:
         seen.append(line)
@@ -91,12 +96,26 @@ def test_an_sft_run_then_rl_from_it_with_model_init_from(tmp_path):
     learning rate too small to move a float32 weight, the RL run's final weights are the SFT run's, bit for bit."""
     config = write_config(tmp_path, "pair")
     sft_run, rl_run = tmp_path / "sft", tmp_path / "rl"
-    done = cli("submit", config, "--run-dir", sft_run, "--set", "run.program=sft", "--set", "warmup.sft_steps=6",
-               cwd=tmp_path)
+    done = cli(
+        "submit", config, "--run-dir", sft_run, "--set", "run.program=sft", "--set", "warmup.sft_steps=6", cwd=tmp_path
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "sft step 6/6" in done.stdout and "\nstep " not in done.stdout  # no RL step in an SFT run
-    done = cli("submit", config, "--run-dir", rl_run, "--set", "warmup.sft_steps=0", "--set", "algorithm.steps=1",
-               "--set", "algorithm.lr=1e-30", "--set", f"model.init_from={sft_run}", cwd=tmp_path)
+    done = cli(
+        "submit",
+        config,
+        "--run-dir",
+        rl_run,
+        "--set",
+        "warmup.sft_steps=0",
+        "--set",
+        "algorithm.steps=1",
+        "--set",
+        "algorithm.lr=1e-30",
+        "--set",
+        f"model.init_from={sft_run}",
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert weights_digest(rl_run) == weights_digest(sft_run)
     bad = cli("validate", config, "--set", f"model.init_from={tmp_path / 'nope'}", cwd=tmp_path)

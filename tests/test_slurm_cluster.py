@@ -38,11 +38,14 @@ def expand_hostlist(cluster, hostlist: str) -> list[str]:
 
 
 def test_batch_job_runs_on_a_cluster_node_and_writes_output(slurm_cluster, tmp_path):
-    script = write_script(tmp_path / "plain.sh", f"""
+    script = write_script(
+        tmp_path / "plain.sh",
+        f"""
 #SBATCH --output={tmp_path}/plain.out
 echo "job=$SLURM_JOB_ID node=$SLURMD_NODENAME"
 {sys.executable} -c 'import sys; print("python", sys.version_info[0])'
-""")
+""",
+    )
     job = slurm_cluster.sbatch(script, cwd=tmp_path)
     assert slurm_cluster.wait_job(job, timeout=120) == "COMPLETED"
     out = (tmp_path / "plain.out").read_text().split()
@@ -66,14 +69,17 @@ with open(os.path.join(sys.argv[1], f"rank-{world.rank}.json"), "w") as f:
 def test_het_job_step_spans_both_groups_in_one_mpi_world(slurm_cluster, tmp_path):
     program = tmp_path / "world.py"
     program.write_text(MPI_PROGRAM)
-    script = write_script(tmp_path / "het.sh", f"""
+    script = write_script(
+        tmp_path / "het.sh",
+        f"""
 #SBATCH --output={tmp_path}/het.out
 #SBATCH --nodes=1 --ntasks=1
 #SBATCH hetjob
 #SBATCH --nodes=2 --ntasks=2 --ntasks-per-node=1
 {MPI_AS_ROOT}
 {guarded_srun(f"srun --het-group=0,1 --mpi=pmix {sys.executable} {program} {tmp_path}")}
-""")
+""",
+    )
     job = slurm_cluster.sbatch(script, cwd=tmp_path)
     state = slurm_cluster.wait_job(job, timeout=180)
     assert state == "COMPLETED", (tmp_path / "het.out").read_text()
@@ -95,11 +101,14 @@ def test_het_job_step_spans_both_groups_in_one_mpi_world(slurm_cluster, tmp_path
 
 def test_scancel_ends_a_running_job(slurm_cluster, tmp_path):
     pid_file = tmp_path / "pid"
-    script = write_script(tmp_path / "sleeper.sh", f"""
+    script = write_script(
+        tmp_path / "sleeper.sh",
+        f"""
 #SBATCH --output={tmp_path}/sleeper.out
 echo $$ > {pid_file}.tmp && mv {pid_file}.tmp {pid_file}
 sleep 600
-""")
+""",
+    )
     job = slurm_cluster.sbatch(script, cwd=tmp_path)
     slurm_cluster.wait_state(job, {"RUNNING"}, timeout=120)
     # RUNNING comes a moment before the script itself runs.
@@ -116,7 +125,9 @@ sleep 600
 def test_time_limit_warning_signal_reaches_batch_script_and_requeue_restarts_it(slurm_cluster, tmp_path):
     # USR1 is due 50 s before the 1-minute limit: Slurm checks limits periodically, so it arrives within ~40 s.
     # The trap records it and requeues, the way a run checkpoints and continues in a new allocation.
-    script = write_script(tmp_path / "warned.sh", f"""
+    script = write_script(
+        tmp_path / "warned.sh",
+        f"""
 #SBATCH --output={tmp_path}/warned.out --open-mode=append
 #SBATCH --time=1 --signal=B:USR1@50 --requeue
 if [ "${{SLURM_RESTART_COUNT:-0}}" -ge 1 ]; then
@@ -126,7 +137,8 @@ fi
 trap 'echo USR1 > {tmp_path}/signalled; scontrol requeue $SLURM_JOB_ID; exit 0' USR1
 sleep 300 &
 wait
-""")
+""",
+    )
     job = slurm_cluster.sbatch(script, cwd=tmp_path)
     state = slurm_cluster.wait_job(job, timeout=240)
     log = (tmp_path / "warned.out").read_text()

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from rollout_hpc.config import load_config
-from rollout_hpc.trajectory import TrajectoryBatch
 from rollout_hpc.runtime.step_plan import StepPlan, informative_groups, rank_share
+from rollout_hpc.trajectory import TrajectoryBatch
 
 
 def test_without_refills_a_step_is_its_prompts_per_step_block():
@@ -41,15 +41,19 @@ def test_rank_shares_cover_a_round_once():
 
 
 def _batch(rewards, lengths, group_size):
-    return TrajectoryBatch.from_records([
-        {"prompt_id": i // group_size, "sample_idx": i % group_size, "reward": r, "response_ids": [1] * n}
-        for i, (r, n) in enumerate(zip(rewards, lengths))
-    ])
+    return TrajectoryBatch.from_records(
+        [
+            {"prompt_id": i // group_size, "sample_idx": i % group_size, "reward": r, "response_ids": [1] * n}
+            for i, (r, n) in enumerate(zip(rewards, lengths))
+        ]
+    )
 
 
 def test_informative_groups_use_the_shaped_rewards():
-    cfg = load_config(None, ["algorithm.name=dapo", "algorithm.group_size=2", "algorithm.max_new_tokens=4",
-                             "algorithm.overlong_buffer=2"])
+    cfg = load_config(
+        None,
+        ["algorithm.name=dapo", "algorithm.group_size=2", "algorithm.max_new_tokens=4", "algorithm.overlong_buffer=2"],
+    )
     # Group 0: equal rewards and lengths -> no signal. Group 1: different rewards. Group 2: equal task rewards,
     # but one response runs into the overlong buffer, so the shaped rewards differ.
     batch = _batch([1, 1, 0, 1, 0, 0], [1, 1, 1, 1, 1, 4], group_size=2)

@@ -20,8 +20,9 @@ JOB_TIMEOUT = 300
 
 
 def cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rollout_hpc", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=180)
+    return subprocess.run(
+        [sys.executable, "-m", "rollout_hpc", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=180
+    )
 
 
 def hello_layout(log: str) -> list[tuple[int, str, str]]:
@@ -73,8 +74,14 @@ def test_submit_hello_het_job(slurm_cluster, tmp_path):
 def test_plain_sbatch_of_the_template(slurm_cluster, tmp_path):
     """slurm/rollout.sbatch works without the CLI; its #SBATCH lines (1 + 2 nodes) decide the layout."""
     env = dict(os.environ, ROLLOUT_CONFIG=str(HELLO), ROLLOUT_PYTHON=sys.executable, ROLLOUT_SET="run.name=plain")
-    done = subprocess.run(["sbatch", "--parsable", str(REPO / "slurm" / "rollout.sbatch")], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        ["sbatch", "--parsable", str(REPO / "slurm" / "rollout.sbatch")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     job_id = int(done.stdout.strip().split(";")[0])
     state = slurm_cluster.wait_job(job_id, timeout=JOB_TIMEOUT)
@@ -88,7 +95,9 @@ def test_plain_sbatch_of_the_template(slurm_cluster, tmp_path):
 
 
 def test_bad_partition_is_refused_and_leaves_nothing(slurm_cluster, tmp_path):
-    done = cli("submit", str(HELLO), "--set", "launcher=slurm", "--set", "slurm.partition=nosuchpartition", cwd=tmp_path)
+    done = cli(
+        "submit", str(HELLO), "--set", "launcher=slurm", "--set", "slurm.partition=nosuchpartition", cwd=tmp_path
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "sbatch refused" in done.stderr and "partition" in done.stderr.lower(), done.stderr
     assert not (tmp_path / "runs" / "hello").exists()
@@ -96,8 +105,17 @@ def test_bad_partition_is_refused_and_leaves_nothing(slurm_cluster, tmp_path):
 
 def test_chain_status_and_cancel_pending_jobs(slurm_cluster, tmp_path):
     """--chain queues dependent jobs; status shows each het component; cancel ends them all."""
-    done = cli("submit", str(HELLO), "--set", "launcher=slurm", "--set", "slurm.extra_sbatch=[--begin=now+3600]",
-               "--chain", "2", cwd=tmp_path)
+    done = cli(
+        "submit",
+        str(HELLO),
+        "--set",
+        "launcher=slurm",
+        "--set",
+        "slurm.extra_sbatch=[--begin=now+3600]",
+        "--chain",
+        "2",
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     run_dir = tmp_path / "runs" / "hello"
     job_ids = json.loads((run_dir / "manifest.json").read_text())["job_ids"]
@@ -107,7 +125,9 @@ def test_chain_status_and_cancel_pending_jobs(slurm_cluster, tmp_path):
             assert slurm_cluster.job_records(int(job))[0]["Dependency"].startswith(f"afterany:{previous}")
         status = json.loads(cli("status", str(run_dir), "--json", cwd=tmp_path).stdout)
         rows = [(c["job_id"], c["role"], c["state"]) for j in status["jobs"] for c in j["components"]]
-        assert rows == [(f"{j}+{k}", role, "PENDING") for j in job_ids for k, role in enumerate(("generator", "trainer"))]
+        assert rows == [
+            (f"{j}+{k}", role, "PENDING") for j in job_ids for k, role in enumerate(("generator", "trainer"))
+        ]
         table = cli("status", str(run_dir), cwd=tmp_path)
         assert table.returncode == 0 and f"{job_ids[0]}+1" in table.stdout
     finally:

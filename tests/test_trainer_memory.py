@@ -30,8 +30,18 @@ def world():
 
 
 def make_cfg(*overrides):
-    return load_config(None, ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.max_seq_len=64",
-                              "algorithm.max_grad_norm=1e9", "algorithm.group_size=4", *overrides])
+    return load_config(
+        None,
+        [
+            "model.hidden_size=32",
+            "model.num_layers=2",
+            "model.num_heads=4",
+            "model.max_seq_len=64",
+            "algorithm.max_grad_norm=1e9",
+            "algorithm.group_size=4",
+            *overrides,
+        ],
+    )
 
 
 def model_for(cfg):
@@ -50,14 +60,20 @@ def rl_batch(cfg, n_groups=4, seed=0):
     mask = torch.zeros(B, Tm)
     for i in range(B):
         attn[i, : plen[i] + rlen[i]] = 1
-        mask[i, plen[i]: plen[i] + rlen[i]] = 1
+        mask[i, plen[i] : plen[i] + rlen[i]] = 1
     ids = ids * attn
     mask[1, -1] = 0  # a multi-turn style hole is fine too
     old = -torch.rand(B, Tm, generator=g) * 3 * mask
     rewards = torch.randint(0, 2, (B,), generator=g).float()
     rewards[: cfg.algorithm.group_size] = 1.0  # one all-equal group (dynamic sampling drops it)
-    return {"input_ids": ids, "attention_mask": attn, "mask": mask, "old_logprobs": old, "rewards": rewards,
-            "response_len": rlen.float()}
+    return {
+        "input_ids": ids,
+        "attention_mask": attn,
+        "mask": mask,
+        "old_logprobs": old,
+        "rewards": rewards,
+        "response_len": rlen.float(),
+    }
 
 
 def grads_after(trainer, fn):
@@ -85,10 +101,18 @@ ALGOS = ["grpo", "ppo", "dapo", "rloo", "reinforce_pp"]
 def test_micro_batches_give_unsplit_gradients(world, name, agg):
     from rollout_hpc.runtime.critic import Critic
 
-    base = [f"algorithm.name={name}", f"algorithm.loss_agg={agg}", "algorithm.kl_coef=0.05", "algorithm.entropy_coef=0.01"]
+    base = [
+        f"algorithm.name={name}",
+        f"algorithm.loss_agg={agg}",
+        "algorithm.kl_coef=0.05",
+        "algorithm.entropy_coef=0.01",
+    ]
     results = {}
-    for label, extra in {"whole": [], "tokens": ["trainer.max_tokens_per_microbatch=40"],
-                         "rows": ["trainer.micro_batch_size=3"]}.items():
+    for label, extra in {
+        "whole": [],
+        "tokens": ["trainer.max_tokens_per_microbatch=40"],
+        "rows": ["trainer.micro_batch_size=3"],
+    }.items():
         cfg = make_cfg(*base, *extra)
         model = model_for(cfg)
         trainer = T.make_trainer(cfg, copy.deepcopy(model), world)
@@ -98,7 +122,10 @@ def test_micro_batches_give_unsplit_gradients(world, name, agg):
         ref = -torch.rand(tensors["mask"].shape, generator=torch.Generator().manual_seed(5)) * tensors["mask"]
         batching.add_advantages(cfg, tensors, ref, values)
         if critic:  # a critic that is not all zeros, so its gradients are informative
-            tensors["returns"] = tensors["returns"] + torch.randn(tensors["returns"].shape, generator=torch.Generator().manual_seed(7)) * tensors["mask"]
+            tensors["returns"] = (
+                tensors["returns"]
+                + torch.randn(tensors["returns"].shape, generator=torch.Generator().manual_seed(7)) * tensors["mask"]
+            )
         g, stats = grads_after(trainer, lambda: trainer.train_step(tensors, batching.make_loss_fn(cfg), agg=agg))
         cg = grads_after(critic.trainer, lambda: critic.train_step(tensors))[0] if critic else None
         results[label] = (g, stats, cg)
@@ -168,8 +195,9 @@ def test_trainer_logprobs_and_reference_scoring_match(world):
     tensors = rl_batch(cfg, seed=6)
     trainer = T.make_trainer(cfg, copy.deepcopy(model), world)
     lp, ent = trainer.logprobs(tensors["input_ids"], tensors["attention_mask"], tensors["mask"])
-    full_lp, full_ent = T.token_logprobs(T.model_logits(model.eval(), tensors["input_ids"], tensors["attention_mask"]),
-                                         tensors["input_ids"])
+    full_lp, full_ent = T.token_logprobs(
+        T.model_logits(model.eval(), tensors["input_ids"], tensors["attention_mask"]), tensors["input_ids"]
+    )
     torch.testing.assert_close(lp, full_lp * tensors["mask"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent, full_ent * tensors["mask"], rtol=1e-5, atol=1e-5)
     ref = T.score_tokens(model, tensors["input_ids"], tensors["attention_mask"], cfg, tensors["mask"])
@@ -211,9 +239,15 @@ def test_lr_schedule_values():
     assert lin[:2] == [0.5, 1.0] and lin[-1] == pytest.approx(0.1) and lin[2] == 1.0
     assert all(x > y for x, y in zip(lin[2:], lin[3:]))
     cos = lrs("algorithm.lr_schedule=cosine")
-    assert cos[0] == 1.0 and cos[-1] == pytest.approx(0.0, abs=1e-12) and cos[5] == pytest.approx(0.5 * (1 + np.cos(np.pi * 5 / 9)))
+    assert (
+        cos[0] == 1.0
+        and cos[-1] == pytest.approx(0.0, abs=1e-12)
+        and cos[5] == pytest.approx(0.5 * (1 + np.cos(np.pi * 5 / 9)))
+    )
     # mini-batches x epochs: the schedule counts optimizer updates
-    a = make_cfg("algorithm.lr=1.0", "algorithm.steps=5", "algorithm.mini_batches=2", "algorithm.lr_schedule=linear").algorithm
+    a = make_cfg(
+        "algorithm.lr=1.0", "algorithm.steps=5", "algorithm.mini_batches=2", "algorithm.lr_schedule=linear"
+    ).algorithm
     assert T.lr_at(a, 9) == pytest.approx(0.0) and T.lr_at(a, 4) > 0.5
 
 
@@ -229,9 +263,17 @@ def _digest(trainer):
 def test_resume_mid_warmup_is_bitwise(world):
     """Save after 2 of 6 steps inside an 4-step warmup (cosine after it), load into a fresh trainer, finish:
     the weights equal an uninterrupted run's bit for bit, and every step used the scheduled LR."""
-    over = ["algorithm.lr=0.01", "algorithm.steps=6", "algorithm.warmup_steps=4", "algorithm.lr_schedule=cosine",
-            "algorithm.weight_decay=0.1", "algorithm.adam_betas=[0.8,0.95]", "algorithm.adam_eps=1e-6",
-            "algorithm.max_grad_norm=1.0", "trainer.micro_batch_size=5"]
+    over = [
+        "algorithm.lr=0.01",
+        "algorithm.steps=6",
+        "algorithm.warmup_steps=4",
+        "algorithm.lr_schedule=cosine",
+        "algorithm.weight_decay=0.1",
+        "algorithm.adam_betas=[0.8,0.95]",
+        "algorithm.adam_eps=1e-6",
+        "algorithm.max_grad_norm=1.0",
+        "trainer.micro_batch_size=5",
+    ]
     cfg = make_cfg(*over)
     tensors = rl_batch(cfg, seed=9)
     batching.add_advantages(cfg, tensors, None, None)
@@ -241,7 +283,9 @@ def test_resume_mid_warmup_is_bitwise(world):
     straight = T.make_trainer(cfg, copy.deepcopy(model), world)
     lrs = [straight.train_step(tensors, loss_fn)["lr"] for _ in range(6)]
     assert lrs == [T.lr_at(cfg.algorithm, s) for s in range(6)] and lrs[0] == pytest.approx(0.0025)
-    assert straight.optimizer.param_groups[0]["betas"] == (0.8, 0.95) and straight.optimizer.param_groups[0]["eps"] == 1e-6
+    assert (
+        straight.optimizer.param_groups[0]["betas"] == (0.8, 0.95) and straight.optimizer.param_groups[0]["eps"] == 1e-6
+    )
 
     first = T.make_trainer(cfg, copy.deepcopy(model), world)
     for _ in range(2):
@@ -282,7 +326,13 @@ def test_mini_batch_epochs(world):
 def test_default_is_one_update_of_the_whole_share(world):
     cfg = make_cfg()
     a, t = cfg.algorithm, cfg.trainer
-    assert (a.mini_batches, a.epochs, t.max_tokens_per_microbatch, t.micro_batch_size, t.gradient_checkpointing) == (1, 1, None, None, False)
+    assert (a.mini_batches, a.epochs, t.max_tokens_per_microbatch, t.micro_batch_size, t.gradient_checkpointing) == (
+        1,
+        1,
+        None,
+        None,
+        False,
+    )
     assert (a.lr_schedule, a.warmup_steps, a.weight_decay, tuple(a.adam_betas)) == ("constant", 0, 0.0, (0.9, 0.99))
     trainer = T.make_trainer(cfg, model_for(cfg), world)
     tensors = rl_batch(cfg)

@@ -47,12 +47,16 @@ def test_torch_single_rank_same_code_path(tmp_path):
 
 def test_deepspeed_zero3_two_ranks(tmp_path):
     # ZeRO-3 partitions parameters: full_weights must gather them, load must scatter them.
-    check_backend(run_backend(tmp_path, ["trainer.backend=deepspeed", "trainer.zero_stage=3", "trainer.tasks_per_node=2"]))
+    check_backend(
+        run_backend(tmp_path, ["trainer.backend=deepspeed", "trainer.zero_stage=3", "trainer.tasks_per_node=2"])
+    )
 
 
 def test_deepspeed_zero2_agrees_with_torch_ddp(tmp_path, torch_ddp):
     torch_out = torch_ddp
-    ds_out = run_backend(tmp_path / "ds", ["trainer.backend=deepspeed", "trainer.zero_stage=2", "trainer.tasks_per_node=2"])
+    ds_out = run_backend(
+        tmp_path / "ds", ["trainer.backend=deepspeed", "trainer.zero_stage=2", "trainer.tasks_per_node=2"]
+    )
     # Same model, data, optimizer and clipping: the same losses up to float reassociation.
     for t, d in zip(torch_out, ds_out):
         assert t["losses"] == pytest.approx(d["losses"], rel=1e-4)
@@ -67,11 +71,15 @@ def test_megatron_one_gpu(tmp_path):
     check_backend(run_backend(tmp_path, ["trainer.backend=megatron", "trainer.gpus_per_task=1"]))
 
 
-@pytest.mark.parametrize("stage, split", [(2, "trainer.max_tokens_per_microbatch=24"), (3, "trainer.micro_batch_size=1")])
+@pytest.mark.parametrize(
+    "stage, split", [(2, "trainer.max_tokens_per_microbatch=24"), (3, "trainer.micro_batch_size=1")]
+)
 def test_deepspeed_micro_batches_agree_with_unsplit_ddp(tmp_path, torch_ddp, stage, split):
     # Gradient accumulation over 2 (ZeRO-2) / 4 (ZeRO-3) micro-batches of each rank's 4 rows, one optimizer step
     # per train_step: the same losses as the unsplit torch DDP run, up to float reassociation.
-    ds_out = run_backend(tmp_path, ["trainer.backend=deepspeed", f"trainer.zero_stage={stage}", "trainer.tasks_per_node=2", split])
+    ds_out = run_backend(
+        tmp_path, ["trainer.backend=deepspeed", f"trainer.zero_stage={stage}", "trainer.tasks_per_node=2", split]
+    )
     check_backend(ds_out)
     for t, d in zip(torch_ddp, ds_out):
         assert t["losses"] == pytest.approx(d["losses"], rel=1e-4)

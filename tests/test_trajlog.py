@@ -12,10 +12,10 @@ import h5py
 import numpy as np
 import pytest
 
-from rollout_hpc.trajectory import TrajectoryBatch
 from rollout_hpc.store.h5recover import consistency_flags
 from rollout_hpc.store.synthetic import synthetic_batch
 from rollout_hpc.store.trajlog import TrajectoryLog, TrajectoryLogError, TrajectoryReader, read_metrics
+from rollout_hpc.trajectory import TrajectoryBatch
 
 META = {"run_name": "t", "group_size": 4, "max_new_tokens": 16}
 
@@ -46,7 +46,9 @@ def test_round_trip_and_metrics(tmp_path):
             extra = {"kl": 0.5 * step} if step < 4 else {"kl": 0.5 * step, "grad_norm": 2.0}
             log.append_metrics(step, extra)
         rows = read_metrics(tmp_path)  # the writing process can read its own log
-        assert [r["step"] for r in rows] == list(range(6)) and "grad_norm" not in rows[0] and rows[5]["grad_norm"] == 2.0
+        assert (
+            [r["step"] for r in rows] == list(range(6)) and "grad_norm" not in rows[0] and rows[5]["grad_norm"] == 2.0
+        )
     with TrajectoryReader(tmp_path) as r:
         everything = TrajectoryBatch.concat(batches)
         assert r.rows == 60 and r.closed_cleanly and r.cut_rows == 0
@@ -90,8 +92,12 @@ _WRITER = textwrap.dedent("""
 
 
 def _writer(tmp_path, mode, steps, per_step):
-    return subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), mode, str(steps), str(per_step)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(tmp_path), mode, str(steps), str(per_step)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_reader_in_another_process_follows_the_writer(tmp_path):
@@ -179,8 +185,14 @@ def test_flat_array_cut_mid_row_drops_that_row(tmp_path):
 def test_one_writer_at_a_time(tmp_path):
     with TrajectoryLog.open_for_append(tmp_path, META):
         proc = subprocess.run(
-            [sys.executable, "-c", f"from rollout_hpc.store.trajlog import TrajectoryLog; TrajectoryLog.open_for_append({str(tmp_path)!r})"],
-            capture_output=True, text=True)
+            [
+                sys.executable,
+                "-c",
+                f"from rollout_hpc.store.trajlog import TrajectoryLog; TrajectoryLog.open_for_append({str(tmp_path)!r})",
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert proc.returncode != 0 and "being written by another process" in proc.stderr
 
 
@@ -220,8 +232,9 @@ def test_open_reader_does_not_block_a_restarted_writer(tmp_path):
     with TrajectoryLog.open_for_append(tmp_path, META) as log:
         log.append(first, 0)
         log.append_metrics(0, {})
-    monitor = subprocess.Popen([sys.executable, "-c", _MONITOR, str(tmp_path)], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, text=True)
+    monitor = subprocess.Popen(
+        [sys.executable, "-c", _MONITOR, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert monitor.stdout.readline().strip() == "10"
         with TrajectoryLog.open_for_append(tmp_path) as log:  # the next allocation's writer

@@ -45,7 +45,11 @@ def wheel(tmp_path_factory) -> Path:
     env.pop("VIRTUAL_ENV", None)  # maturin build would otherwise pick the venv's interpreter anyway; be explicit
     done = subprocess.run(
         [maturin, "build", "--release", "-i", sys.executable, "-o", str(out)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     wheels = list(out.glob("rollout_hpc-*.whl"))
@@ -68,15 +72,33 @@ def test_installed_wheel_renders_outside_the_checkout_without_cargo(wheel, tmp_p
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
-    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               check=True, capture_output=True, text=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
     # The dependencies (numpy, pydantic, jinja2, ...) from this environment, as a plain path entry: .pth files
     # there (the checkout's editable install) are not processed, and the venv's own site-packages come first.
     (site / "zz_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     install = subprocess.run(
-        [str(py), "-m", "pip", "install", "--no-deps", "--no-index", "--no-cache-dir", "--disable-pip-version-check",
-         "-q", str(wheel)],
-        capture_output=True, text=True, timeout=300,
+        [
+            str(py),
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--no-cache-dir",
+            "--disable-pip-version-check",
+            "-q",
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
 
@@ -85,17 +107,32 @@ def test_installed_wheel_renders_outside_the_checkout_without_cargo(wheel, tmp_p
     shutil.copy(REPO / "configs" / "quickstart.yaml", work / "configs" / "quickstart.yaml")
     path = os.pathsep.join([str(venv / "bin"), "/usr/local/bin", "/usr/bin", "/bin"])
     assert shutil.which("cargo", path=path) is None
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "ROLLOUT_TEMPLATES", "VIRTUAL_ENV", "CARGO_HOME", "RUSTUP_HOME")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "ROLLOUT_TEMPLATES", "VIRTUAL_ENV", "CARGO_HOME", "RUSTUP_HOME")
+    }
     env.update(PATH=path, HOME=str(tmp_path))
 
-    where = subprocess.run([str(py), "-c", "import rollout_hpc._ring, rollout_hpc; print(rollout_hpc.__file__)"],
-                           cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    where = subprocess.run(
+        [str(py), "-c", "import rollout_hpc._ring, rollout_hpc; print(rollout_hpc.__file__)"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert where.returncode == 0, where.stderr[-3000:]
     assert Path(where.stdout.strip()).is_relative_to(venv), where.stdout  # the wheel's copy, not the checkout
 
-    done = subprocess.run([str(venv / "bin" / "rollout-hpc"), "render", "configs/quickstart.yaml", "--set", "launcher=slurm"],
-                          cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [str(venv / "bin" / "rollout-hpc"), "render", "configs/quickstart.yaml", "--set", "launcher=slurm"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "#SBATCH hetjob" in done.stdout
     assert "python -m rollout_hpc.runtime.entry" in done.stdout or "rollout_hpc.runtime.entry" in done.stdout

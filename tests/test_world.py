@@ -40,7 +40,9 @@ def test_hello_six_ranks_on_four_emulated_nodes(tmp_path):
 
 
 def test_communicators_span_the_right_ranks(tmp_path):
-    cfg = write_config(tmp_path, ["generator.nodes=1", "generator.tasks_per_node=2", "trainer.nodes=2", "trainer.tasks_per_node=1"])
+    cfg = write_config(
+        tmp_path, ["generator.nodes=1", "generator.tasks_per_node=2", "trainer.nodes=2", "trainer.tasks_per_node=1"]
+    )
     res = mpirun(node_blocks(cfg, [str(PROGS / "world_comms.py"), str(tmp_path)]))
     assert res.returncode == 0, res.stdout + res.stderr
     out = [json.loads((tmp_path / f"comms-{r}.json").read_text()) for r in range(4)]
@@ -66,7 +68,7 @@ def test_hostname_is_the_node_without_emulation(tmp_path):
 
 
 def test_world_size_mismatch_is_a_clear_error(tmp_path):
-    cfg = write_config(tmp_path, ["run.program=hello", "trainer.tasks_per_node=2"])
+    write_config(tmp_path, ["run.program=hello", "trainer.tasks_per_node=2"])
     res = mpirun([(2, None, [*ENTRY, str(tmp_path)])])
     assert res.returncode != 0
     assert "the MPI world has 2 ranks, but the config needs" in res.stderr and "= 3" in res.stderr
@@ -75,7 +77,7 @@ def test_world_size_mismatch_is_a_clear_error(tmp_path):
 
 
 def test_node_count_mismatch_is_a_clear_error(tmp_path):
-    cfg = write_config(tmp_path, ["run.program=hello", "trainer.nodes=2"])
+    write_config(tmp_path, ["run.program=hello", "trainer.nodes=2"])
     res = mpirun([(1, "gen0", [*ENTRY, str(tmp_path)]), (2, "train0", [*ENTRY, str(tmp_path)])])
     assert res.returncode != 0
     assert "trainer.nodes is 2 but the trainer ranks run on 1 node(s)" in res.stderr

@@ -1,7 +1,7 @@
 """Analyse a run without installing the CLI entry point: a thin wrapper over `rollout-hpc analyze` & co.
 
-    python tools/analyze.py RUN_DIR [--json]              # = rollout-hpc analyze RUN_DIR
-    python tools/analyze.py plot|samples|export|compare|report|ckpt ...
+python tools/analyze.py RUN_DIR [--json]              # = rollout-hpc analyze RUN_DIR
+python tools/analyze.py plot|samples|export|compare|report|ckpt ...
 """
 
 from __future__ import annotations

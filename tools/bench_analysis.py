@@ -58,8 +58,12 @@ print(json.dumps({{**out, "seconds": elapsed, "peak_MB": (status("VmHWM:") - bas
 
 
 def measure(method: str, target: Path) -> dict:
-    proc = subprocess.run([sys.executable, "-c", _MEASURE.format(root=str(ROOT)), method, str(target)],
-                          capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _MEASURE.format(root=str(ROOT)), method, str(target)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -77,15 +81,21 @@ def bench(n: int, work: Path) -> dict:
     assert ours["samples"] == pandas["samples"] == n
     assert abs(ours["reward_mean"] - pandas["reward_mean"]) < 1e-9
     result = {
-        "trajectories": n, "log_MB": round(log_mb, 1), "write_log_s": round(write_s, 2), "export_parquet_s": round(export_s, 2),
+        "trajectories": n,
+        "log_MB": round(log_mb, 1),
+        "write_log_s": round(write_s, 2),
+        "export_parquet_s": round(export_s, 2),
         "ours": {k: round(v, 3) for k, v in ours.items() if k not in ("samples", "reward_mean", "steps")},
         "pandas_parquet": {k: round(v, 3) for k, v in pandas.items() if k not in ("samples", "reward_mean", "steps")},
     }
     result["speedup_vs_pandas"] = round(pandas["seconds"] / ours["seconds"], 2)
     result["memory_ratio_pandas_over_ours"] = round(pandas["peak_MB"] / max(ours["peak_MB"], 0.1), 1)
-    print(f"{n:>9,} trajectories ({log_mb:.0f} MB log): summary {ours['seconds']:.2f} s, peak +{ours['peak_MB']:.0f} MB  |  "
-          f"pandas on the parquet export {pandas['seconds']:.2f} s, peak +{pandas['peak_MB']:.0f} MB  |  "
-          f"ours {result['speedup_vs_pandas']:.2f}x the speed, {result['memory_ratio_pandas_over_ours']:.1f}x less memory", flush=True)
+    print(
+        f"{n:>9,} trajectories ({log_mb:.0f} MB log): summary {ours['seconds']:.2f} s, peak +{ours['peak_MB']:.0f} MB  |  "
+        f"pandas on the parquet export {pandas['seconds']:.2f} s, peak +{pandas['peak_MB']:.0f} MB  |  "
+        f"ours {result['speedup_vs_pandas']:.2f}x the speed, {result['memory_ratio_pandas_over_ours']:.1f}x less memory",
+        flush=True,
+    )
     return result
 
 

@@ -41,7 +41,9 @@ sys.path.insert(0, str(REPO))
 def quickstart_cfg(steps: int, overrides: list[str] = ()):
     from rollout_hpc.config import load_config
 
-    return load_config(REPO / "configs" / "quickstart.yaml", [f"algorithm.steps={steps}", "checkpoint.every_steps=0", *overrides])
+    return load_config(
+        REPO / "configs" / "quickstart.yaml", [f"algorithm.steps={steps}", "checkpoint.every_steps=0", *overrides]
+    )
 
 
 def time_to_threshold(times: np.ndarray, rewards: np.ndarray, t0: float, threshold: float) -> float | None:
@@ -69,6 +71,7 @@ def summarize(name, times, rewards, samples, tokens, t0, wall, threshold, extra=
 
 # --- ours -------------------------------------------------------------------------------
 
+
 def run_ours(steps: int, staleness: int, threshold: float) -> dict:
     import yaml
 
@@ -79,7 +82,21 @@ def run_ours(steps: int, staleness: int, threshold: float) -> dict:
         run_dir = Path(tmp)
         (run_dir / "config.resolved.yaml").write_text(yaml.safe_dump(cfg.resolved()))
         entry = [sys.executable, "-m", "rollout_hpc.runtime.entry", "--run-dir", str(run_dir)]
-        cmd = ["mpirun", "--oversubscribe", "-np", "1", "-x", "ROLLOUT_NODE=gen0", *entry, ":", "-np", "1", "-x", "ROLLOUT_NODE=train0", *entry]
+        cmd = [
+            "mpirun",
+            "--oversubscribe",
+            "-np",
+            "1",
+            "-x",
+            "ROLLOUT_NODE=gen0",
+            *entry,
+            ":",
+            "-np",
+            "1",
+            "-x",
+            "ROLLOUT_NODE=train0",
+            *entry,
+        ]
         env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
         t0 = time.time()
         done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
@@ -89,7 +106,11 @@ def run_ours(steps: int, staleness: int, threshold: float) -> dict:
         m = read_metrics(run_dir / "trajectories.h5")
     col = lambda k: np.array([row[k] for row in m])  # noqa: E731
     period, gen, train = col("step_time")[1:], col("gen_time")[1:], col("train_compute_time")[1:]
-    extra = {"gen_ms": 1000 * gen.mean(), "train_ms": 1000 * train.mean(), "sync_ms": 1000 * col("sync_time")[1:].mean()}
+    extra = {
+        "gen_ms": 1000 * gen.mean(),
+        "train_ms": 1000 * train.mean(),
+        "sync_ms": 1000 * col("sync_time")[1:].mean(),
+    }
     if staleness == 0:
         # Sequential on-policy pipeline: a step is generation (sampling + rewards) then the trainer's
         # forward/backward/optimizer step; the rest of the loop period is the framework's.
@@ -100,11 +121,21 @@ def run_ours(steps: int, staleness: int, threshold: float) -> dict:
         extra["handoff_ms"] = 1000 * col("handoff_time")[1:].mean()
         extra["prep_ms"] = 1000 * (col("train_time")[1:] - train).mean()
     a = cfg.algorithm
-    return summarize("ours", col("time"), col("reward_mean"), a.prompts_per_step * a.group_size, col("tokens").mean(), t0, wall,
-                     threshold, extra)
+    return summarize(
+        "ours",
+        col("time"),
+        col("reward_mean"),
+        a.prompts_per_step * a.group_size,
+        col("tokens").mean(),
+        t0,
+        wall,
+        threshold,
+        extra,
+    )
 
 
 # --- the same task for single-process baselines -----------------------------------------
+
 
 def task_batch(cfg, tokenizer, dataset, step):
     from rollout_hpc.envs.base import prompt_text
@@ -140,9 +171,17 @@ def run_plain(steps: int, threshold: float) -> dict:
         ids, attn = left_pad(prompts, tok.pad_id)
         model.eval()
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, top_k=0, temperature=a.temperature,
-                                 max_new_tokens=a.max_new_tokens, num_return_sequences=a.group_size,
-                                 pad_token_id=tok.pad_id, eos_token_id=tok.eos_id)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=attn,
+                do_sample=True,
+                top_k=0,
+                temperature=a.temperature,
+                max_new_tokens=a.max_new_tokens,
+                num_return_sequences=a.group_size,
+                pad_token_id=tok.pad_id,
+                eos_token_id=tok.eos_id,
+            )
         L = ids.shape[1]
         resp = out[:, L:]
         texts = [tok.decode(r.tolist()) for r in resp]
@@ -150,7 +189,10 @@ def run_plain(steps: int, threshold: float) -> dict:
         g1 = time.perf_counter()
         model.train()
         full_attn = torch.cat([attn.repeat_interleave(a.group_size, 0), (resp != tok.pad_id).long()], 1)
-        logits = model(input_ids=out, attention_mask=full_attn, use_cache=False).logits[:, L - 1 : -1].float() / a.temperature
+        logits = (
+            model(input_ids=out, attention_mask=full_attn, use_cache=False).logits[:, L - 1 : -1].float()
+            / a.temperature
+        )
         logp = torch.log_softmax(logits, -1).gather(-1, resp[..., None])[..., 0]
         mask = (resp != tok.pad_id).float()
         adv = algos.compute_advantages("grpo", r, a.group_size, mask)
@@ -165,8 +207,17 @@ def run_plain(steps: int, threshold: float) -> dict:
         times.append(time.time())
         rewards.append(float(r.mean()))
     wall = time.time() - t0
-    return summarize("plain", np.array(times), np.array(rewards), a.prompts_per_step * a.group_size, tokens / steps, t0, wall,
-                     threshold, {"gen_ms": 1000 * gen_s / steps, "train_ms": 1000 * train_s / steps})
+    return summarize(
+        "plain",
+        np.array(times),
+        np.array(rewards),
+        a.prompts_per_step * a.group_size,
+        tokens / steps,
+        t0,
+        wall,
+        threshold,
+        {"gen_ms": 1000 * gen_s / steps, "train_ms": 1000 * train_s / steps},
+    )
 
 
 def char_tokenizer_for_hf():
@@ -206,7 +257,9 @@ def run_trl(steps: int, threshold: float) -> dict:
     task = load_task(cfg.task)
     data = task.prompts(cfg.run.seed)
     items = [data[i] for i in range(steps * a.prompts_per_step)]
-    ds = Dataset.from_dict({"prompt": ["<bos>" + prompt_text(it) for it in items], "answer": [it.answer for it in items]})
+    ds = Dataset.from_dict(
+        {"prompt": ["<bos>" + prompt_text(it) for it in items], "answer": [it.answer for it in items]}
+    )
 
     def reward(prompts, completions, answer, **_):
         return [1.0 if c.strip() == ans else 0.0 for c, ans in zip(completions, answer)]
@@ -223,13 +276,32 @@ def run_trl(steps: int, threshold: float) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as out:
         args = GRPOConfig(
-            output_dir=out, per_device_train_batch_size=a.prompts_per_step * a.group_size, num_generations=a.group_size,
-            max_completion_length=a.max_new_tokens, temperature=a.temperature, learning_rate=a.lr, max_steps=steps,
-            beta=0.0, use_cpu=True, logging_steps=1, save_strategy="no", report_to="none", seed=cfg.run.seed,
-            max_grad_norm=a.max_grad_norm, shuffle_dataset=False, disable_tqdm=True,
+            output_dir=out,
+            per_device_train_batch_size=a.prompts_per_step * a.group_size,
+            num_generations=a.group_size,
+            max_completion_length=a.max_new_tokens,
+            temperature=a.temperature,
+            learning_rate=a.lr,
+            max_steps=steps,
+            beta=0.0,
+            use_cpu=True,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            seed=cfg.run.seed,
+            max_grad_norm=a.max_grad_norm,
+            shuffle_dataset=False,
+            disable_tqdm=True,
         )
-        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=hf_tok,
-                              callbacks=[Clock()], optimizers=(opt, sched))
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=reward,
+            args=args,
+            train_dataset=ds,
+            processing_class=hf_tok,
+            callbacks=[Clock()],
+            optimizers=(opt, sched),
+        )
         with contextlib.redirect_stdout(io.StringIO()):  # its per-step log dicts
             trainer.train()
     wall = time.time() - t0
@@ -242,15 +314,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="60 steps (< 1 minute)")
     ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--threshold", type=float, default=None, help="rolling mean reward to time (default 0.3, quick 0.1)")
+    ap.add_argument(
+        "--threshold", type=float, default=None, help="rolling mean reward to time (default 0.3, quick 0.1)"
+    )
     ap.add_argument("--skip", default="", help="comma list of runs to skip: ours_s1, trl, plain")
     args = ap.parse_args()
     steps = args.steps or (60 if args.quick else 250)
     threshold = args.threshold if args.threshold is not None else (0.1 if args.quick else 0.3)
     skip = set(filter(None, args.skip.split(",")))
     results: dict = {"steps": steps, "threshold": threshold}
-    runs = {"ours_s0": lambda: run_ours(steps, 0, threshold), "ours_s1": lambda: run_ours(steps, 1, threshold),
-            "trl": lambda: run_trl(steps, threshold), "plain": lambda: run_plain(steps, threshold)}
+    runs = {
+        "ours_s0": lambda: run_ours(steps, 0, threshold),
+        "ours_s1": lambda: run_ours(steps, 1, threshold),
+        "trl": lambda: run_trl(steps, threshold),
+        "plain": lambda: run_plain(steps, threshold),
+    }
     for name, fn in runs.items():
         if name in skip:
             continue
@@ -263,15 +341,24 @@ def main() -> int:
             print(f"{name:8s} error: {r['error']}", flush=True)
         else:
             ttt = r["time_to_threshold_s"]
-            print(f"{name:8s} {r['samples_per_s']:8.0f} samples/s {r['tokens_per_s']:9.0f} tok/s  step {r['step_ms']:6.1f} ms  "
-                  f"wall {r['wall_s']:5.1f} s  to reward>={threshold}: {'-' if ttt is None else f'{ttt:.1f} s'}  "
-                  f"reward {r['reward_first10']:.2f} -> {r['reward_last10']:.2f}"
-                  + (f"  overhead {100 * r['overhead_share']:.1f}% (handoff {r['handoff_ms']:.1f} + prep {r['prep_ms']:.1f}"
-                     f" + sync {r['sync_ms']:.1f} ms)" if "overhead_share" in r else ""), flush=True)
+            print(
+                f"{name:8s} {r['samples_per_s']:8.0f} samples/s {r['tokens_per_s']:9.0f} tok/s  step {r['step_ms']:6.1f} ms  "
+                f"wall {r['wall_s']:5.1f} s  to reward>={threshold}: {'-' if ttt is None else f'{ttt:.1f} s'}  "
+                f"reward {r['reward_first10']:.2f} -> {r['reward_last10']:.2f}"
+                + (
+                    f"  overhead {100 * r['overhead_share']:.1f}% (handoff {r['handoff_ms']:.1f} + prep {r['prep_ms']:.1f}"
+                    f" + sync {r['sync_ms']:.1f} ms)"
+                    if "overhead_share" in r
+                    else ""
+                ),
+                flush=True,
+            )
     for ours in ("ours_s0", "ours_s1"):
         for base in ("trl", "plain"):
             if "samples_per_s" in results.get(ours, {}) and "samples_per_s" in results.get(base, {}):
-                results[f"{ours}_vs_{base}_samples_per_s"] = results[ours]["samples_per_s"] / results[base]["samples_per_s"]
+                results[f"{ours}_vs_{base}_samples_per_s"] = (
+                    results[ours]["samples_per_s"] / results[base]["samples_per_s"]
+                )
     print(json.dumps(results))
     return 0
 

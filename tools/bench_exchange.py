@@ -45,7 +45,11 @@ def make_records(seed: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)
     return [
         {
-            "prompt_id": i, "sample_idx": i % 8, "gen_rank": 0, "policy_version": 3, "reward": float(rng.random()),
+            "prompt_id": i,
+            "sample_idx": i % 8,
+            "gen_rank": 0,
+            "policy_version": 3,
+            "reward": float(rng.random()),
             "prompt_ids": rng.integers(0, 32000, PROMPT_LEN, dtype=np.int32),
             "response_ids": rng.integers(0, 32000, RESPONSE_LEN, dtype=np.int32),
             "logprobs": -rng.random(RESPONSE_LEN, dtype=np.float32),
@@ -57,11 +61,12 @@ def make_records(seed: int = 0) -> list[dict]:
 
 # --------------------------------------------------------------------------- MPI parts (run under mpirun)
 def _exchange_part(args) -> dict:
+    from mpi4py import MPI
+
     from rollout_hpc.config import load_config
     from rollout_hpc.exchange.forward import Exchange
-    from rollout_hpc.trajectory import TrajectoryBatch
     from rollout_hpc.runtime.world import init_world
-    from mpi4py import MPI
+    from rollout_hpc.trajectory import TrajectoryBatch
 
     cfg = load_config(Path(args.run_dir) / "config.resolved.yaml")
     world = init_world(cfg)
@@ -84,8 +89,10 @@ def _exchange_part(args) -> dict:
         results.setdefault(name, []).append(n * nbytes / seconds / 1e9)
 
     rbufs = [np.empty_like(p) for p in packed]
-    as_lists = [[{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in r.items()} for r in recs]
-                for recs in pool_records[:2]]
+    as_lists = [
+        [{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in r.items()} for r in recs]
+        for recs in pool_records[:2]
+    ]
     ex = Exchange(world, cfg)
 
     def ex_recv(_):
@@ -93,31 +100,51 @@ def _exchange_part(args) -> dict:
         assert len(got) == N_SAMPLES
 
     for rnd in range(args.rounds + 1):  # round 0 warms up
-        timed("raw_mpi", args.batches, lambda i: comm.Send([packed[i], MPI.BYTE], dest=0, tag=1),
-              lambda i: comm.Recv([rbufs[i], MPI.BYTE], source=0, tag=1))
-        timed("raw_mpi_hot", args.batches, lambda i: comm.Send([packed[0], MPI.BYTE], dest=0, tag=4),
-              lambda i: comm.Recv([rbufs[0], MPI.BYTE], source=0, tag=4))
+        timed(
+            "raw_mpi",
+            args.batches,
+            lambda i: comm.Send([packed[i], MPI.BYTE], dest=0, tag=1),
+            lambda i: comm.Recv([rbufs[i], MPI.BYTE], source=0, tag=1),
+        )
+        timed(
+            "raw_mpi_hot",
+            args.batches,
+            lambda i: comm.Send([packed[0], MPI.BYTE], dest=0, tag=4),
+            lambda i: comm.Recv([rbufs[0], MPI.BYTE], source=0, tag=4),
+        )
         timed("exchange", args.batches, lambda i: ex.put(pool[i]), ex_recv)
-        timed("pickle_arrays", max(4, args.batches // 4), lambda i: comm.send(pool_records[i], dest=0, tag=2),
-              lambda i: comm.recv(source=0, tag=2))
-        timed("pickle_lists", max(2, args.batches // 40), lambda i: comm.send(as_lists[i % 2], dest=0, tag=3),
-              lambda i: comm.recv(source=0, tag=3))
+        timed(
+            "pickle_arrays",
+            max(4, args.batches // 4),
+            lambda i: comm.send(pool_records[i], dest=0, tag=2),
+            lambda i: comm.recv(source=0, tag=2),
+        )
+        timed(
+            "pickle_lists",
+            max(2, args.batches // 40),
+            lambda i: comm.send(as_lists[i % 2], dest=0, tag=3),
+            lambda i: comm.recv(source=0, tag=3),
+        )
         if rnd == 0:
             results.clear()
     stats = ex.stats()
     ex.close(timeout=60)
-    out = {"batch_bytes": nbytes, "gbps": {k: statistics.median(v) for k, v in results.items()},
-           "rounds": {k: v for k, v in results.items()}}
+    out = {
+        "batch_bytes": nbytes,
+        "gbps": {k: statistics.median(v) for k, v in results.items()},
+        "rounds": {k: v for k, v in results.items()},
+    }
     if gen:
         out["forwarder"] = stats.get("forwarder")
     return out
 
 
 def _weights_part(args) -> dict:
+    from mpi4py import MPI
+
     from rollout_hpc.config import load_config
     from rollout_hpc.exchange.weights import WeightSync
     from rollout_hpc.runtime.world import init_world
-    from mpi4py import MPI
 
     cfg = load_config(Path(args.run_dir) / "config.resolved.yaml")
     world = init_world(cfg)
@@ -127,7 +154,9 @@ def _weights_part(args) -> dict:
     per = args.weight_mb * (1 << 20) // n_tensors // 4
     tensors = {f"layer.{i}.weight": rng.standard_normal(per, dtype=np.float32) for i in range(n_tensors)}
     total = sum(t.nbytes for t in tensors.values())
-    flat = np.concatenate([t.view(np.uint8) for t in tensors.values()]) if world.is_trainer else np.empty(total, np.uint8)
+    flat = (
+        np.concatenate([t.view(np.uint8) for t in tensors.values()]) if world.is_trainer else np.empty(total, np.uint8)
+    )
     comm = world.inter_comm
     res: dict[str, list[float]] = {"weight_sync": [], "raw_bcast": []}
     version = 0
@@ -152,8 +181,12 @@ def _weights_part(args) -> dict:
             res["weight_sync"].append(total / (t1 - t0) / 1e9)
             res["raw_bcast"].append(total / (t2 - t1) / 1e9)
     ws.close()
-    return {"weight_bytes": total, "generators": cfg.generator.ranks,
-            "gbps": {k: statistics.median(v) for k, v in res.items()}, "rounds": res}
+    return {
+        "weight_bytes": total,
+        "generators": cfg.generator.ranks,
+        "gbps": {k: statistics.median(v) for k, v in res.items()},
+        "rounds": res,
+    }
 
 
 def mpi_main(args) -> None:
@@ -173,9 +206,16 @@ def ray_bench(batches: int, rounds: int) -> dict:
     from rollout_hpc.trajectory import TrajectoryBatch
 
     packed = [np.frombuffer(TrajectoryBatch.from_records(make_records(s)).pack(), np.uint8) for s in range(POOL)]
-    ray.init(num_cpus=2, object_store_memory=400 << 20, include_dashboard=False, log_to_driver=False,
-             logging_level="ERROR", configure_logging=False)
+    ray.init(
+        num_cpus=2,
+        object_store_memory=400 << 20,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level="ERROR",
+        configure_logging=False,
+    )
     try:
+
         @ray.remote
         class Consumer:
             def consume(self, refs):
@@ -204,13 +244,31 @@ def ray_bench(batches: int, rounds: int) -> dict:
 # --------------------------------------------------------------------------- driver
 def run_mpi(part: str, run_dir: Path, args, blocks: list[tuple[int, str]]) -> dict:
     out = run_dir / f"{part}.json"
-    me = [sys.executable, str(Path(__file__).resolve()), "--mpi-part", part, "--run-dir", str(run_dir), "--out", str(out),
-          "--batches", str(args.batches), "--rounds", str(args.rounds), "--weight-mb", str(args.weight_mb)]
+    me = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--mpi-part",
+        part,
+        "--run-dir",
+        str(run_dir),
+        "--out",
+        str(out),
+        "--batches",
+        str(args.batches),
+        "--rounds",
+        str(args.rounds),
+        "--weight-mb",
+        str(args.weight_mb),
+    ]
     cmd = ["mpirun", "--oversubscribe"]
     for i, (n, node) in enumerate(blocks):
         cmd += ([":"] if i else []) + ["-np", str(n), "-x", f"ROLLOUT_NODE={node}", *me]
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if res.returncode != 0:
         raise SystemExit(f"bench part {part} failed:\n{res.stdout[-2000:]}{res.stderr[-3000:]}")
@@ -219,6 +277,7 @@ def run_mpi(part: str, run_dir: Path, args, blocks: list[tuple[int, str]]) -> di
 
 def write_config(run_dir: Path, overrides: list[str]) -> None:
     import yaml
+
     from rollout_hpc.config import load_config
 
     cfg = load_config(None, [f"run.dir={run_dir}", f"exchange.ring_dir={run_dir}", *overrides])
@@ -243,14 +302,18 @@ def main() -> None:
         return mpi_main(args)
 
     t_start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="bench-exchange-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as tmp:
+    with tempfile.TemporaryDirectory(
+        prefix="bench-exchange-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+    ) as tmp:
         ex_dir, w_dir = Path(tmp, "ex"), Path(tmp, "w")
         ex_dir.mkdir(), w_dir.mkdir()
         write_config(ex_dir, ["exchange.ring_bytes=67108864", "exchange.max_inflight_bytes=33554432"])
         write_config(w_dir, ["generator.nodes=2", "exchange.weight_chunk_bytes=16777216"])
         ex = run_mpi("exchange", ex_dir, args, [(1, "gen0"), (1, "train0")])
         w = run_mpi("weights", w_dir, args, [(1, "gen0"), (1, "gen1"), (1, "train0")])
-    ray_res = {"available": False, "why": "--no-ray"} if args.no_ray else ray_bench(max(40, args.batches // 2), args.rounds)
+    ray_res = (
+        {"available": False, "why": "--no-ray"} if args.no_ray else ray_bench(max(40, args.batches // 2), args.rounds)
+    )
 
     g = ex["gbps"]
     ratios = {
@@ -262,22 +325,43 @@ def main() -> None:
     }
     if ray_res.get("available"):
         ratios["exchange_vs_ray"] = g["exchange"] / ray_res["gbps"]
-    print(f"batch: {N_SAMPLES} x ({PROMPT_LEN}+{RESPONSE_LEN}) tokens = {ex['batch_bytes'] / 1e6:.2f} MB packed; "
-          f"{args.batches} batches x {args.rounds} rounds (median)")
+    print(
+        f"batch: {N_SAMPLES} x ({PROMPT_LEN}+{RESPONSE_LEN}) tokens = {ex['batch_bytes'] / 1e6:.2f} MB packed; "
+        f"{args.batches} batches x {args.rounds} rounds (median)"
+    )
     for name in ("raw_mpi", "raw_mpi_hot", "exchange", "pickle_arrays", "pickle_lists"):
         print(f"  {name:15s} {g[name]:7.3f} GB/s")
-    print(f"  {'ray':15s} " + (f"{ray_res['gbps']:7.3f} GB/s (ray {ray_res['version']})" if ray_res.get("available")
-                                 else f"n/a ({ray_res['why']})"))
-    print(f"weights: {w['weight_bytes'] / 1e6:.0f} MB to {w['generators']} generators: "
-          f"weight_sync {w['gbps']['weight_sync']:.3f} GB/s, raw Bcast {w['gbps']['raw_bcast']:.3f} GB/s")
+    print(
+        f"  {'ray':15s} "
+        + (
+            f"{ray_res['gbps']:7.3f} GB/s (ray {ray_res['version']})"
+            if ray_res.get("available")
+            else f"n/a ({ray_res['why']})"
+        )
+    )
+    print(
+        f"weights: {w['weight_bytes'] / 1e6:.0f} MB to {w['generators']} generators: "
+        f"weight_sync {w['gbps']['weight_sync']:.3f} GB/s, raw Bcast {w['gbps']['raw_bcast']:.3f} GB/s"
+    )
     for k, v in ratios.items():
         print(f"  {k:28s} {v:6.2f}x")
     summary = {
-        "bench": "exchange", "quick": args.quick, "batch_bytes": ex["batch_bytes"], "batches": args.batches,
-        "rounds": args.rounds, "gbps": {**g, "ray": ray_res.get("gbps")}, "ray": {k: v for k, v in ray_res.items() if k != "rounds"},
-        "weights": {"bytes": w["weight_bytes"], "generators": w["generators"], **{f"{k}_gbps": v for k, v in w["gbps"].items()}},
-        "ratios": ratios, "targets": {"exchange_vs_raw_mpi": 0.9, "exchange_vs_ray": 3.0},
-        "seconds": time.perf_counter() - t_start, "cpus": os.cpu_count(),
+        "bench": "exchange",
+        "quick": args.quick,
+        "batch_bytes": ex["batch_bytes"],
+        "batches": args.batches,
+        "rounds": args.rounds,
+        "gbps": {**g, "ray": ray_res.get("gbps")},
+        "ray": {k: v for k, v in ray_res.items() if k != "rounds"},
+        "weights": {
+            "bytes": w["weight_bytes"],
+            "generators": w["generators"],
+            **{f"{k}_gbps": v for k, v in w["gbps"].items()},
+        },
+        "ratios": ratios,
+        "targets": {"exchange_vs_raw_mpi": 0.9, "exchange_vs_ray": 3.0},
+        "seconds": time.perf_counter() - t_start,
+        "cpus": os.cpu_count(),
     }
     print(json.dumps(summary))
 

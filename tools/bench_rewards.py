@@ -24,8 +24,10 @@ from rollout_hpc.rewards import RewardPool  # noqa: E402
 
 def trivial_reward():
     """Factory of the trivial reward: len(text)."""
+
     def fn(key, text):
         return float(len(text))
+
     return fn
 
 
@@ -70,13 +72,25 @@ def main() -> int:
         assert all(r.status == 0 for r in results), [r for r in results if r.status][:3]
 
     pool_ms, in_ms = statistics.median(times), statistics.median(in_process)
-    print(f"{args.jobs} jobs, {args.workers} workers, {args.reward} reward: pool {pool_ms:.2f} ms "
-          f"(min {min(times):.2f}), in-process {in_ms:.3f} ms, workers ready after {start_s:.2f} s", file=sys.stderr)
-    print(json.dumps({
-        "jobs": args.jobs, "workers": args.workers, "reward": args.reward,
-        "pool_ms": round(pool_ms, 3), "pool_min_ms": round(min(times), 3), "in_process_ms": round(in_ms, 4),
-        "per_job_us": round((pool_ms - in_ms) * 1e3 / args.jobs, 2), "start_s": round(start_s, 3),
-    }))
+    print(
+        f"{args.jobs} jobs, {args.workers} workers, {args.reward} reward: pool {pool_ms:.2f} ms "
+        f"(min {min(times):.2f}), in-process {in_ms:.3f} ms, workers ready after {start_s:.2f} s",
+        file=sys.stderr,
+    )
+    print(
+        json.dumps(
+            {
+                "jobs": args.jobs,
+                "workers": args.workers,
+                "reward": args.reward,
+                "pool_ms": round(pool_ms, 3),
+                "pool_min_ms": round(min(times), 3),
+                "in_process_ms": round(in_ms, 4),
+                "per_job_us": round((pool_ms - in_ms) * 1e3 / args.jobs, 2),
+                "start_s": round(start_s, 3),
+            }
+        )
+    )
     return 0
 
 

@@ -21,7 +21,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import queue
 import time
 from multiprocessing import shared_memory
 
@@ -199,8 +198,12 @@ def bench_shm(ctx, size, nprod, ncons, total):
     per = total // nprod
 
     def make(barrier, results):
-        procs = [ctx.Process(target=shm_producer, args=(shm.name, size, per, free_q, full_q, barrier)) for _ in range(nprod)]
-        procs += [ctx.Process(target=shm_consumer, args=(shm.name, free_q, full_q, barrier, results)) for _ in range(ncons)]
+        procs = [
+            ctx.Process(target=shm_producer, args=(shm.name, size, per, free_q, full_q, barrier)) for _ in range(nprod)
+        ]
+        procs += [
+            ctx.Process(target=shm_consumer, args=(shm.name, free_q, full_q, barrier, results)) for _ in range(ncons)
+        ]
         return procs, lambda: [full_q.put(None) for _ in range(ncons)]
 
     try:
@@ -281,8 +284,10 @@ def main():
     budget = (384 << 20) if args.quick else (2 << 30)
     reps = 1 if args.quick else 3
     out = {}
-    print(f"{'size':>8} {'P/C':>4} {'ring rec/s':>11} {'ring GB/s':>9} {'view GB/s':>9} {'memcpy GB/s':>11} "
-          f"{'x memcpy':>8} {'mpQueue rec/s':>13} {'x mpQ':>6} {'shm+Q rec/s':>11} {'x shmQ':>6}")
+    print(
+        f"{'size':>8} {'P/C':>4} {'ring rec/s':>11} {'ring GB/s':>9} {'view GB/s':>9} {'memcpy GB/s':>11} "
+        f"{'x memcpy':>8} {'mpQueue rec/s':>13} {'x mpQ':>6} {'shm+Q rec/s':>11} {'x shmQ':>6}"
+    )
     for size in SIZES:
         # Enough volume that process start-up skew does not dominate (each run >~ 0.2 s).
         total = int(np.clip(budget // size, 128, 300_000 if args.quick else 2_000_000))
@@ -298,13 +303,23 @@ def main():
             q = best(reps, lambda: bench_mpq(ctx, size, nprod, ncons, base_total))
             s = best(reps, lambda: bench_shm(ctx, size, nprod, ncons, base_total))
             gbs, vgbs = r * size / 1e9, v * size / 1e9
-            out[key] = {"ring_records_per_s": round(r), "ring_gb_per_s": round(gbs, 3),
-                        "ring_view_records_per_s": round(v), "ring_view_gb_per_s": round(vgbs, 3),
-                        "memcpy_gb_per_s": round(mc, 3), "x_memcpy": round(gbs / mc, 3),
-                        "view_x_memcpy": round(vgbs / mc, 3), "mp_queue_records_per_s": round(q),
-                        "x_mp_queue": round(r / q, 2), "shm_queue_records_per_s": round(s), "x_shm_queue": round(r / s, 2)}
-            print(f"{size:>8} {nprod}/{ncons:<2} {r:>11.0f} {gbs:>9.3f} {vgbs:>9.3f} {mc:>11.2f} {max(gbs, vgbs) / mc:>8.3f} "
-                  f"{q:>13.0f} {r / q:>6.1f} {s:>11.0f} {r / s:>6.1f}")
+            out[key] = {
+                "ring_records_per_s": round(r),
+                "ring_gb_per_s": round(gbs, 3),
+                "ring_view_records_per_s": round(v),
+                "ring_view_gb_per_s": round(vgbs, 3),
+                "memcpy_gb_per_s": round(mc, 3),
+                "x_memcpy": round(gbs / mc, 3),
+                "view_x_memcpy": round(vgbs / mc, 3),
+                "mp_queue_records_per_s": round(q),
+                "x_mp_queue": round(r / q, 2),
+                "shm_queue_records_per_s": round(s),
+                "x_shm_queue": round(r / s, 2),
+            }
+            print(
+                f"{size:>8} {nprod}/{ncons:<2} {r:>11.0f} {gbs:>9.3f} {vgbs:>9.3f} {mc:>11.2f} {max(gbs, vgbs) / mc:>8.3f} "
+                f"{q:>13.0f} {r / q:>6.1f} {s:>11.0f} {r / s:>6.1f}"
+            )
         if size in (64, 4096):
             rb = best(reps, lambda: bench_ring(ctx, size, 1, 1, total * (4 if size == 64 else 1), batch=BATCH))
             out[f"{size}B_batch_1p1c_records_per_s"] = round(rb)
@@ -313,18 +328,29 @@ def main():
     n_lat = 2000 if args.quick else 20000
     rl = latency(ctx, n_lat, "ring")
     ql = latency(ctx, n_lat, "mpq")
-    out["latency_us"] = {"ring_p50": round(rl[0], 1), "ring_p99": round(rl[1], 1), "mp_queue_p50": round(ql[0], 1),
-                         "mp_queue_p99": round(ql[1], 1)}
-    print(f"push-to-pop latency 64 B: ring p50 {rl[0]:.1f} us p99 {rl[1]:.1f} us | mp.Queue p50 {ql[0]:.1f} us p99 {ql[1]:.1f} us")
+    out["latency_us"] = {
+        "ring_p50": round(rl[0], 1),
+        "ring_p99": round(rl[1], 1),
+        "mp_queue_p50": round(ql[0], 1),
+        "mp_queue_p99": round(ql[1], 1),
+    }
+    print(
+        f"push-to-pop latency 64 B: ring p50 {rl[0]:.1f} us p99 {rl[1]:.1f} us | mp.Queue p50 {ql[0]:.1f} us p99 {ql[1]:.1f} us"
+    )
     k = out["262144B_1p1c"]
     t256 = max(k["x_memcpy"], k["view_x_memcpy"])
     t4 = out["4096B_1p1c"]["x_mp_queue"]
     t4b = out["4096B_batch_1p1c_records_per_s"] / out["4096B_1p1c"]["mp_queue_records_per_s"]
-    out["targets"] = {"256KiB_x_memcpy_target_0.6": round(t256, 3),
-                      "256KiB_inprocess_x_memcpy_per_copy": out["262144B_inprocess"]["x_memcpy"], "4KiB_x_mp_queue_target_20": t4,
-                      "4KiB_batch_x_mp_queue_target_20": round(t4b, 2)}
-    print(f"targets: 256 KiB at {t256:.2f}x memcpy (target 0.6x); 4 KiB at {t4:.1f}x mp.Queue records/s single, "
-          f"{t4b:.1f}x batched (target 20x)")
+    out["targets"] = {
+        "256KiB_x_memcpy_target_0.6": round(t256, 3),
+        "256KiB_inprocess_x_memcpy_per_copy": out["262144B_inprocess"]["x_memcpy"],
+        "4KiB_x_mp_queue_target_20": t4,
+        "4KiB_batch_x_mp_queue_target_20": round(t4b, 2),
+    }
+    print(
+        f"targets: 256 KiB at {t256:.2f}x memcpy (target 0.6x); 4 KiB at {t4:.1f}x mp.Queue records/s single, "
+        f"{t4b:.1f}x batched (target 20x)"
+    )
     print(json.dumps(out))
 
 

@@ -49,8 +49,14 @@ def child(args) -> None:
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     rows = args.rows * args.scale
-    over = [f"model.hidden_size={args.hidden}", "model.num_layers=2", "model.num_heads=4",
-            f"model.max_seq_len={args.seq}", "algorithm.group_size=4", "algorithm.lr=1e-4"]
+    over = [
+        f"model.hidden_size={args.hidden}",
+        "model.num_layers=2",
+        "model.num_heads=4",
+        f"model.max_seq_len={args.seq}",
+        "algorithm.group_size=4",
+        "algorithm.lr=1e-4",
+    ]
     if args.path == "ours":
         over += [f"trainer.max_tokens_per_microbatch={args.rows * args.seq}", "trainer.logprob_chunk_tokens=256"]
     else:
@@ -61,10 +67,15 @@ def child(args) -> None:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, args.vocab, (rows, args.seq), generator=g)
     mask = torch.zeros(rows, args.seq)
-    mask[:, args.seq // 4:] = 1  # a quarter prompt, the rest response
-    tensors = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mask": mask,
-               "old_logprobs": -torch.rand(rows, args.seq, generator=g) * mask,
-               "rewards": torch.randint(0, 2, (rows,), generator=g).float(), "response_len": mask.sum(1)}
+    mask[:, args.seq // 4 :] = 1  # a quarter prompt, the rest response
+    tensors = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "mask": mask,
+        "old_logprobs": -torch.rand(rows, args.seq, generator=g) * mask,
+        "rewards": torch.randint(0, 2, (rows,), generator=g).float(),
+        "response_len": mask.sum(1),
+    }
     batching.add_advantages(cfg, tensors, None, None)
     loss_fn = batching.make_loss_fn(cfg)
     base_kb = _rss_kb()
@@ -75,8 +86,16 @@ def child(args) -> None:
         times.append(time.perf_counter() - t0)
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     timed = times[1:] or times
-    print(json.dumps({"peak_rss_mb": peak_kb / 1024, "step_extra_mb": (peak_kb - base_kb) / 1024,
-                      "samples_per_s": rows / (sum(timed) / len(timed)), "tokens": rows * args.seq}))
+    print(
+        json.dumps(
+            {
+                "peak_rss_mb": peak_kb / 1024,
+                "step_extra_mb": (peak_kb - base_kb) / 1024,
+                "samples_per_s": rows / (sum(timed) / len(timed)),
+                "tokens": rows * args.seq,
+            }
+        )
+    )
 
 
 def _rss_kb() -> int:
@@ -107,21 +126,48 @@ def main() -> None:
         child(args)
         return
     results: dict[str, dict[int, dict]] = {"ours": {}, "unsplit": {}}
-    print(f"per-rank batch x1 = {args.rows} rows x {args.seq} tokens, vocab {args.vocab}, hidden {args.hidden}, "
-          f"{args.steps} step(s) per measurement; ours: max_tokens_per_microbatch {args.rows * args.seq}, "
-          "logprob_chunk_tokens 256", flush=True)
-    print(f"{'path':8} {'scale':>5} {'tokens':>7} {'peak RSS MB':>12} {'step extra MB':>14} {'samples/s':>10}", flush=True)
+    print(
+        f"per-rank batch x1 = {args.rows} rows x {args.seq} tokens, vocab {args.vocab}, hidden {args.hidden}, "
+        f"{args.steps} step(s) per measurement; ours: max_tokens_per_microbatch {args.rows * args.seq}, "
+        "logprob_chunk_tokens 256",
+        flush=True,
+    )
+    print(
+        f"{'path':8} {'scale':>5} {'tokens':>7} {'peak RSS MB':>12} {'step extra MB':>14} {'samples/s':>10}", flush=True
+    )
     for path in results:
         for scale in SCALES:
-            cmd = [sys.executable, __file__, "--child", "--path", path, "--scale", str(scale), "--rows", str(args.rows),
-                   "--seq", str(args.seq), "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--steps", str(args.steps)]
-            out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                "--path",
+                path,
+                "--scale",
+                str(scale),
+                "--rows",
+                str(args.rows),
+                "--seq",
+                str(args.seq),
+                "--vocab",
+                str(args.vocab),
+                "--hidden",
+                str(args.hidden),
+                "--steps",
+                str(args.steps),
+            ]
+            out = subprocess.run(
+                cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}
+            )
             if out.returncode:
                 sys.exit(f"{path} x{scale} failed:\n{out.stderr[-3000:]}")
             r = json.loads(out.stdout.strip().splitlines()[-1])
             results[path][scale] = r
-            print(f"{path:8} {'x%d' % scale:>5} {r['tokens']:>7} {r['peak_rss_mb']:>12.0f} {r['step_extra_mb']:>14.0f} "
-                  f"{r['samples_per_s']:>10.1f}", flush=True)
+            print(
+                f"{path:8} {f'x{scale}':>5} {r['tokens']:>7} {r['peak_rss_mb']:>12.0f} {r['step_extra_mb']:>14.0f} "
+                f"{r['samples_per_s']:>10.1f}",
+                flush=True,
+            )
     summary = {"quick": args.quick, "rows_x1": args.rows, "seq": args.seq, "vocab": args.vocab}
     for path, by in results.items():
         summary[path] = {

@@ -61,8 +61,10 @@ print(json.dumps({"open": {k: s1[k] - s0[k] for k in s0}, "open_and_read": {k: s
                   "open_s": t_open, "perm_s": t_perm, "read_us_per_row": 1e6 * t_read / n_read, "chars": n_chars}))
 """
 
-BODY = ("Natalia sold clips to {a} of her friends in April, and then she sold half as many clips in May. "
-        "How many clips did Natalia sell altogether in April and May? Answer with a number. #{i}")
+BODY = (
+    "Natalia sold clips to {a} of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May? Answer with a number. #{i}"
+)
 
 
 def build(n: int):
@@ -102,7 +104,8 @@ def main() -> None:
 
     users = table.column("prompt").combine_chunks()
     contents = pa.concat_arrays([pa.array(["Be brief."] * n), users]).take(
-        pa.array(np.stack([np.arange(n), n + np.arange(n)], axis=1).ravel()))
+        pa.array(np.stack([np.arange(n), n + np.arange(n)], axis=1).ravel())
+    )
     roles = pa.array(np.tile(np.array(["system", "user"], dtype=object), n), pa.string())
     messages = pa.StructArray.from_arrays([roles, contents], names=["role", "content"])
     offsets = pa.array(np.arange(0, 2 * n + 1, 2, dtype=np.int32))
@@ -114,30 +117,48 @@ def main() -> None:
     write_arrow(table, path)
     del table
     size = os.path.getsize(path)
-    print(f"{n} rows, mean prompt {mean_prompt:.0f} bytes, file {size / 2**20:.1f} MiB (built in {t_build:.1f} s); "
-          f"check_table {t_check:.3f} s (strings), {t_check_chat:.3f} s (chat messages)")
+    print(
+        f"{n} rows, mean prompt {mean_prompt:.0f} bytes, file {size / 2**20:.1f} MiB (built in {t_build:.1f} s); "
+        f"check_table {t_check:.3f} s (strings), {t_check_chat:.3f} s (chat messages)"
+    )
 
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     res = {}
     for mode in ("ours", "baseline"):
-        out = subprocess.run([sys.executable, "-c", CHILD, mode, path, str(args.read)], env=env, check=True,
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", CHILD, mode, path, str(args.read)],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         res[mode] = json.loads(out.strip().splitlines()[-1])
         r = res[mode]
         mib = lambda b: f"{b / 2**20:7.1f} MiB"  # noqa: E731
-        print(f"{mode:8s}: open {r['open_s'] * 1e3:7.1f} ms, VmRSS +{mib(r['open']['VmRSS'])} after open, "
-              f"+{mib(r['open_and_read']['VmRSS'])} after {args.read} random rows "
-              f"(RssAnon +{mib(r['open_and_read']['RssAnon'])}, RssFile +{mib(r['open_and_read']['RssFile'])}); "
-              f"{r['read_us_per_row']:.0f} us/row, epoch permutation {r['perm_s'] * 1e3:.0f} ms")
+        print(
+            f"{mode:8s}: open {r['open_s'] * 1e3:7.1f} ms, VmRSS +{mib(r['open']['VmRSS'])} after open, "
+            f"+{mib(r['open_and_read']['VmRSS'])} after {args.read} random rows "
+            f"(RssAnon +{mib(r['open_and_read']['RssAnon'])}, RssFile +{mib(r['open_and_read']['RssFile'])}); "
+            f"{r['read_us_per_row']:.0f} us/row, epoch permutation {r['perm_s'] * 1e3:.0f} ms"
+        )
     ours, base = res["ours"]["open_and_read"], res["baseline"]["open_and_read"]
-    print(f"ours: {ours['VmRSS'] / size:.3f} x file size resident ({ours['RssAnon'] / size:.4f} x private); "
-          f"baseline: {base['VmRSS'] / size:.3f} x; ratio baseline/ours {base['VmRSS'] / max(ours['VmRSS'], 1):.1f}")
+    print(
+        f"ours: {ours['VmRSS'] / size:.3f} x file size resident ({ours['RssAnon'] / size:.4f} x private); "
+        f"baseline: {base['VmRSS'] / size:.3f} x; ratio baseline/ours {base['VmRSS'] / max(ours['VmRSS'], 1):.1f}"
+    )
     summary = {
-        "rows": n, "file_bytes": size, "mean_prompt_bytes": round(mean_prompt, 1), "read_rows": args.read,
-        "check_table_s": round(t_check, 4), "check_table_chat_s": round(t_check_chat, 4),
-        "ours_rss_open_bytes": res["ours"]["open"]["VmRSS"], "ours_rss_bytes": ours["VmRSS"],
-        "ours_anon_bytes": ours["RssAnon"], "ours_file_bytes": ours["RssFile"],
-        "baseline_rss_bytes": base["VmRSS"], "ours_rss_over_file": round(ours["VmRSS"] / size, 4),
+        "rows": n,
+        "file_bytes": size,
+        "mean_prompt_bytes": round(mean_prompt, 1),
+        "read_rows": args.read,
+        "check_table_s": round(t_check, 4),
+        "check_table_chat_s": round(t_check_chat, 4),
+        "ours_rss_open_bytes": res["ours"]["open"]["VmRSS"],
+        "ours_rss_bytes": ours["VmRSS"],
+        "ours_anon_bytes": ours["RssAnon"],
+        "ours_file_bytes": ours["RssFile"],
+        "baseline_rss_bytes": base["VmRSS"],
+        "ours_rss_over_file": round(ours["VmRSS"] / size, 4),
         "baseline_rss_over_file": round(base["VmRSS"] / size, 4),
         "read_us_per_row": round(res["ours"]["read_us_per_row"], 1),
         "epoch_permutation_s": round(res["ours"]["perm_s"], 4),

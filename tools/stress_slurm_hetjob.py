@@ -63,7 +63,7 @@ sys.exit(0 if rc == 0 and waited else 3)
 """
 
 # The job: run the step under a watchdog that tells a hang (srun alive after its step ended) apart.
-JOB = """#!/bin/bash
+JOB = r"""#!/bin/bash
 #SBATCH --job-name=stress{index}
 #SBATCH --nodes=1 --ntasks-per-node=1 --cpus-per-task=1 --time=00:05:00
 #SBATCH --output={out}/job-{index}.out
@@ -108,8 +108,9 @@ def read(path: Path) -> str:
 
 def classify(out: Path, index: int) -> tuple[str, str]:
     """(verdict, evidence) of job number `index` from the files its script wrote."""
-    job_out, step_out, step_err = (read(out / f"{kind}-{index}.{ext}")
-                                   for kind, ext in (("job", "out"), ("step", "out"), ("step", "err")))
+    job_out, step_out, step_err = (
+        read(out / f"{kind}-{index}.{ext}") for kind, ext in (("job", "out"), ("step", "out"), ("step", "err"))
+    )
     ranks = len(re.findall(r"^hello rank=", step_out, re.M | re.I))
     if "HUNG" in job_out:
         return ("hung" if ranks == 3 else "hung+crashed"), step_err
@@ -124,20 +125,31 @@ def classify(out: Path, index: int) -> tuple[str, str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=40)
-    ap.add_argument("--parallel", type=int, default=2, help="jobs in flight at once (each takes one CPU on 3 of the 4 nodes)")
+    ap.add_argument(
+        "--parallel", type=int, default=2, help="jobs in flight at once (each takes one CPU on 3 of the 4 nodes)"
+    )
     ap.add_argument("--burners", type=int, default=2, help="busy-loop processes loading the CPUs during the run")
     ap.add_argument("--out", type=Path, default=Path("/tmp/stress-hetjob"))
     ap.add_argument("--python", default=str(REPO / ".venv/bin/python"))
-    ap.add_argument("--program", choices=("mpi4py", "entry", "fence"), default="mpi4py",
-                    help="mpi4py: a 10-line mpi4py hello; entry: rollout-hpc's own runtime (configs/hello.yaml); "
-                    "fence: does a PMIx fence without data wait for every rank (fails at once when it does not)")
-    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                    help="export this in the job before srun (repeatable), to try a setting")
+    ap.add_argument(
+        "--program",
+        choices=("mpi4py", "entry", "fence"),
+        default="mpi4py",
+        help="mpi4py: a 10-line mpi4py hello; entry: rollout-hpc's own runtime (configs/hello.yaml); "
+        "fence: does a PMIx fence without data wait for every rank (fails at once when it does not)",
+    )
+    ap.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="export this in the job before srun (repeatable), to try a setting",
+    )
     ap.add_argument("--hang-grace", type=int, default=20)
     ap.add_argument("--timeout", type=float, default=240, help="seconds one job may take")
     args = ap.parse_args()
     if "SLURM_CONF" not in os.environ:
-        sys.exit("set SLURM_CONF (eval \"$(tools/slurm_cluster.sh env DIR)\")")
+        sys.exit('set SLURM_CONF (eval "$(tools/slurm_cluster.sh env DIR)")')
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "mpi4py.py").write_text(HELLO)
     (args.out / "fence.py").write_text(FENCE)
@@ -160,14 +172,22 @@ def main() -> int:
                     step = f'{args.python} -c "$(cat {args.out}/{args.program}.py)"'
                 else:
                     run_dir = args.out / f"run-{next_index}"
-                    r = sh(args.python, "-m", "rollout_hpc", "prepare", str(REPO / "configs/hello.yaml"),
-                           "--run-dir", str(run_dir))
+                    r = sh(
+                        args.python,
+                        "-m",
+                        "rollout_hpc",
+                        "prepare",
+                        str(REPO / "configs/hello.yaml"),
+                        "--run-dir",
+                        str(run_dir),
+                    )
                     if r.returncode != 0:
                         sys.exit(f"rollout-hpc prepare failed: {r.stderr}")
                     step = f"{args.python} -m rollout_hpc.runtime.entry --run-dir {run_dir}"
                 exports = "".join(f"export {shlex.quote(kv)}\n" for kv in args.env)
-                script.write_text(JOB.format(index=next_index, out=args.out, step=step, hang_grace=args.hang_grace,
-                                             exports=exports))
+                script.write_text(
+                    JOB.format(index=next_index, out=args.out, step=step, hang_grace=args.hang_grace, exports=exports)
+                )
                 r = sh("sbatch", "--parsable", str(script))
                 if r.returncode != 0:
                     sys.exit(f"sbatch failed: {r.stderr}")
@@ -185,12 +205,22 @@ def main() -> int:
                 counts[verdict] += 1
                 if verdict != "ok":
                     failed.append(index)
-                    print(f"job {job_id} (#{index}): {verdict}\n  " + evidence.strip().replace("\n", "\n  "), flush=True)
+                    print(
+                        f"job {job_id} (#{index}): {verdict}\n  " + evidence.strip().replace("\n", "\n  "), flush=True
+                    )
     finally:
         for b in burners:
             b.terminate()
-    summary = {"program": args.program, "jobs": args.jobs, **counts, "failed_indices": failed, "env": args.env, "burners": args.burners,
-               "parallel": args.parallel, "seconds": round(time.monotonic() - started)}
+    summary = {
+        "program": args.program,
+        "jobs": args.jobs,
+        **counts,
+        "failed_indices": failed,
+        "env": args.env,
+        "burners": args.burners,
+        "parallel": args.parallel,
+        "seconds": round(time.monotonic() - started),
+    }
     print(json.dumps(summary))
     return 0 if len(failed) == 0 else 1
 

@@ -28,6 +28,9 @@ if have_cargo_tool clippy clippy; then
     echo "[test] cargo clippy -D warnings (rust/, with the python feature)"
     cargo clippy -q --all-targets --features python -- -D warnings
 fi
+echo "[test] ruff check + ruff format --check (pyproject.toml [tool.ruff])"
+ruff check rollout_hpc tests tools
+ruff format --check rollout_hpc tests tools
 echo "[test] cargo test (rust/)"
 cargo test -q -p rollout-ring --release 2>&1 | tail -n 25
 echo "[test] pytest"

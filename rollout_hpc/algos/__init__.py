@@ -11,11 +11,25 @@ import importlib
 from .table import ALGORITHM_NAMES, ALGORITHMS, Algorithm
 
 _WHERE = {
-    **dict.fromkeys(["broadcast_to_tokens", "discounted_returns", "gae", "group_normalized", "last_token_rewards",
-                     "leave_one_out", "whiten"], "advantages"),
+    **dict.fromkeys(
+        [
+            "broadcast_to_tokens",
+            "discounted_returns",
+            "gae",
+            "group_normalized",
+            "last_token_rewards",
+            "leave_one_out",
+            "whiten",
+        ],
+        "advantages",
+    ),
     **dict.fromkeys(["DynamicSampling", "dynamic_sampling_filter", "groups_to_refill", "overlong_penalty"], "dapo"),
-    **dict.fromkeys(["aggregate", "entropy_from_logits", "kl_penalty", "masked_mean", "policy_loss", "value_loss"], "losses"),
-    **dict.fromkeys(["AlgorithmSpec", "ESTIMATORS", "compute_advantages", "get_algorithm", "value_targets"], "registry"),
+    **dict.fromkeys(
+        ["aggregate", "entropy_from_logits", "kl_penalty", "masked_mean", "policy_loss", "value_loss"], "losses"
+    ),
+    **dict.fromkeys(
+        ["AlgorithmSpec", "ESTIMATORS", "compute_advantages", "get_algorithm", "value_targets"], "registry"
+    ),
 }
 
 

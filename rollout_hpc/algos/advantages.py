@@ -41,7 +41,9 @@ def last_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
     return out
 
 
-def group_normalized(rewards: torch.Tensor, group_size: int, eps: float = 1e-6, scale_by_std: bool = True) -> torch.Tensor:
+def group_normalized(
+    rewards: torch.Tensor, group_size: int, eps: float = 1e-6, scale_by_std: bool = True
+) -> torch.Tensor:
     """GRPO / DAPO: (r - mean_group) / (std_group + eps), std with Bessel's correction
     (as torch.std, verl and OpenRLHF). scale_by_std=False gives r - mean_group (Dr. GRPO)."""
     g = _groups(rewards, group_size)
@@ -119,5 +121,7 @@ def token_kl_rewards(
     if kl_coef > 0:
         if logprobs is None or ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs logprobs and ref_logprobs (a reference model) for the KL reward")
-        token_rewards = token_rewards - kl_coef * kl_penalty(logprobs, ref_logprobs, kl_estimator) * mask.to(rewards.dtype)
+        token_rewards = token_rewards - kl_coef * kl_penalty(logprobs, ref_logprobs, kl_estimator) * mask.to(
+            rewards.dtype
+        )
     return token_rewards

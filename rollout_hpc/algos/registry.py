@@ -3,13 +3,12 @@ entry point for advantages."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from . import advantages as A
 from .table import ALGORITHMS, Algorithm
-
 
 AlgorithmSpec = Algorithm  # the row type (algos/table.py); the old name stays importable
 
@@ -17,8 +16,16 @@ AlgorithmSpec = Algorithm  # the row type (algos/table.py); the old name stays i
 # Every keyword compute_advantages understands; an algorithm uses the ones it needs, so a
 # loop may pass the same set for any algorithm. Anything else is a typo and an error.
 ADVANTAGE_PARAMS = {
-    "eps", "scale_by_std", "gamma", "lam", "values", "normalize",
-    "logprobs", "ref_logprobs", "kl_coef", "kl_estimator",
+    "eps",
+    "scale_by_std",
+    "gamma",
+    "lam",
+    "values",
+    "normalize",
+    "logprobs",
+    "ref_logprobs",
+    "kl_coef",
+    "kl_estimator",
 }
 
 
@@ -26,7 +33,9 @@ def get_algorithm(name: str) -> AlgorithmSpec:
     try:
         return ALGORITHMS[name]
     except KeyError:
-        raise ValueError(f"algorithm '{name}' is unknown; use one of {', '.join(ALGORITHMS)} (algorithm.name)") from None
+        raise ValueError(
+            f"algorithm '{name}' is unknown; use one of {', '.join(ALGORITHMS)} (algorithm.name)"
+        ) from None
 
 
 def compute_advantages(name: str, rewards: torch.Tensor, group_size: int, mask: torch.Tensor, **params) -> torch.Tensor:
@@ -39,15 +48,19 @@ def compute_advantages(name: str, rewards: torch.Tensor, group_size: int, mask: 
     spec = get_algorithm(name)
     unknown = set(params) - ADVANTAGE_PARAMS
     if unknown:
-        raise TypeError(f"compute_advantages got unknown parameters {sorted(unknown)}; known: {sorted(ADVANTAGE_PARAMS)}")
+        raise TypeError(
+            f"compute_advantages got unknown parameters {sorted(unknown)}; known: {sorted(ADVANTAGE_PARAMS)}"
+        )
     if group_size < spec.min_group_size:
         raise ValueError(f"algorithm '{name}' needs algorithm.group_size >= {spec.min_group_size}, got {group_size}")
     rewards = torch.as_tensor(rewards, dtype=torch.float32, device=mask.device)
     eps = params.get("eps", 1e-6)
     gamma = params.get("gamma", 1.0)
     kl = dict(
-        logprobs=params.get("logprobs"), ref_logprobs=params.get("ref_logprobs"),
-        kl_coef=params.get("kl_coef", 0.0), kl_estimator=params.get("kl_estimator", "k3"),
+        logprobs=params.get("logprobs"),
+        ref_logprobs=params.get("ref_logprobs"),
+        kl_coef=params.get("kl_coef", 0.0),
+        kl_estimator=params.get("kl_estimator", "k3"),
     )
 
     return ESTIMATORS[spec.advantage](rewards, group_size, mask, params, kl, eps, gamma)
@@ -89,8 +102,10 @@ def value_targets(rewards: torch.Tensor, mask: torch.Tensor, **params) -> torch.
         raise TypeError(f"value_targets got unknown parameters {sorted(unknown)}")
     rewards = torch.as_tensor(rewards, dtype=torch.float32, device=mask.device)
     kl = dict(
-        logprobs=params.get("logprobs"), ref_logprobs=params.get("ref_logprobs"),
-        kl_coef=params.get("kl_coef", 0.0), kl_estimator=params.get("kl_estimator", "k3"),
+        logprobs=params.get("logprobs"),
+        ref_logprobs=params.get("ref_logprobs"),
+        kl_coef=params.get("kl_coef", 0.0),
+        kl_estimator=params.get("kl_estimator", "k3"),
     )
     return _ppo_gae(rewards, mask, params, kl)[1]
 

@@ -13,7 +13,9 @@ class Algorithm:
     name: str
     advantage: str  # estimator in registry.ESTIMATORS: per-sequence rewards -> per-token advantages
     loss: Literal["ppo_clip"] = "ppo_clip"  # policy loss (losses.policy_loss); clip-higher via algorithm.clip_eps_high
-    paper_agg: Literal["token_mean", "seq_mean"]  # the paper's aggregation (algorithm.loss_agg runs; default token_mean)
+    paper_agg: Literal[
+        "token_mean", "seq_mean"
+    ]  # the paper's aggregation (algorithm.loss_agg runs; default token_mean)
     needs_critic: bool = False  # a value model trained on value_loss (PPO)
     kl_in: Literal["loss", "reward"]  # where algorithm.kl_coef applies (either way kl_coef > 0 needs a reference model)
     min_group_size: int = 1  # smallest algorithm.group_size that gives the estimator a baseline
@@ -25,17 +27,46 @@ class Algorithm:
 
 
 ROWS = (
-    Algorithm(name="grpo", advantage="group_normalized", paper_agg="seq_mean", kl_in="loss", min_group_size=2,
-              summary="group-normalised advantages, KL to reference in the loss"),
-    Algorithm(name="dapo", advantage="group_normalized", paper_agg="token_mean", kl_in="loss", min_group_size=2,
-              dynamic_sampling=True,
-              summary="GRPO advantages + clip-higher, dynamic sampling, token-level loss, overlong shaping"),
-    Algorithm(name="ppo", advantage="gae", paper_agg="token_mean", needs_critic=True, kl_in="reward",
-              summary="critic + GAE, KL penalty in the token rewards"),
-    Algorithm(name="rloo", advantage="leave_one_out", paper_agg="token_mean", kl_in="reward", min_group_size=2,
-              summary="leave-one-out baseline, sequence KL subtracted from the reward"),
-    Algorithm(name="reinforce_pp", advantage="reinforce_pp", paper_agg="token_mean", kl_in="reward",
-              summary="token-level KL in the reward, discounted returns normalised over the global batch"),
+    Algorithm(
+        name="grpo",
+        advantage="group_normalized",
+        paper_agg="seq_mean",
+        kl_in="loss",
+        min_group_size=2,
+        summary="group-normalised advantages, KL to reference in the loss",
+    ),
+    Algorithm(
+        name="dapo",
+        advantage="group_normalized",
+        paper_agg="token_mean",
+        kl_in="loss",
+        min_group_size=2,
+        dynamic_sampling=True,
+        summary="GRPO advantages + clip-higher, dynamic sampling, token-level loss, overlong shaping",
+    ),
+    Algorithm(
+        name="ppo",
+        advantage="gae",
+        paper_agg="token_mean",
+        needs_critic=True,
+        kl_in="reward",
+        summary="critic + GAE, KL penalty in the token rewards",
+    ),
+    Algorithm(
+        name="rloo",
+        advantage="leave_one_out",
+        paper_agg="token_mean",
+        kl_in="reward",
+        min_group_size=2,
+        summary="leave-one-out baseline, sequence KL subtracted from the reward",
+    ),
+    Algorithm(
+        name="reinforce_pp",
+        advantage="reinforce_pp",
+        paper_agg="token_mean",
+        kl_in="reward",
+        summary="token-level KL in the reward, discounted returns normalised over the global batch",
+    ),
 )
 
 ALGORITHMS: dict[str, Algorithm] = {row.name: row for row in ROWS}

@@ -15,8 +15,8 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from rollout_hpc.config import UserError
-from rollout_hpc.trajectory import RAGGED
 from rollout_hpc.store.trajlog import ROW_COLUMNS, TrajectoryReader
+from rollout_hpc.trajectory import RAGGED
 
 RAGGED_NAMES = [name for name, _, _ in RAGGED]
 CHUNK_ROWS = 1 << 16
@@ -45,8 +45,9 @@ class _TableWriter:
         self.writer.close()
 
 
-def export_trajectories(reader: TrajectoryReader, path: Path, fmt: str, columns: list[str] | None = None,
-                        chunk_rows: int = CHUNK_ROWS) -> int:
+def export_trajectories(
+    reader: TrajectoryReader, path: Path, fmt: str, columns: list[str] | None = None, chunk_rows: int = CHUNK_ROWS
+) -> int:
     """Write the per-trajectory table; returns rows written."""
     fixed, ragged = _check_columns(columns, fmt)
     writer = None
@@ -88,8 +89,13 @@ def export_eval(reader: TrajectoryReader, path: Path, fmt: str) -> int:
     return export_columns(reader.eval_metrics(), path, fmt)
 
 
-def export_run(run_dir_or_log: str | Path, fmt: str = "parquet", out_dir: str | Path | None = None,
-               columns: list[str] | None = None, chunk_rows: int = CHUNK_ROWS) -> dict[str, tuple[Path, int]]:
+def export_run(
+    run_dir_or_log: str | Path,
+    fmt: str = "parquet",
+    out_dir: str | Path | None = None,
+    columns: list[str] | None = None,
+    chunk_rows: int = CHUNK_ROWS,
+) -> dict[str, tuple[Path, int]]:
     """Write trajectories.<fmt> and steps.<fmt> (and eval.<fmt> when the log has eval rows) into out_dir
     (default RUN_DIR/export)."""
     if fmt not in FORMATS:

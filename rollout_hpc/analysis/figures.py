@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 import io
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import matplotlib
 
@@ -42,8 +42,9 @@ def _has_rate_intervals(per_step: dict) -> bool:
     return "time" in per_step and len(per_step["step"]) > 1
 
 
-def _figure(title: str, *, shows: Callable[[RunAnalysis], bool], missing: str, xlabel: str = "train step",
-            ylabel: str = ""):
+def _figure(
+    title: str, *, shows: Callable[[RunAnalysis], bool], missing: str, xlabel: str = "train step", ylabel: str = ""
+):
     """Turns `draw(a, fig, ax)` into `figure(a) -> Figure`: one titled axis, drawn on where `shows(a)`,
     else a "no <missing> in this log" note."""
 
@@ -54,8 +55,15 @@ def _figure(title: str, *, shows: Callable[[RunAnalysis], bool], missing: str, x
             if shows(a):
                 draw(a, fig, ax)
             else:
-                ax.text(0.5, 0.5, f"no {missing} in this log", ha="center", va="center", transform=ax.transAxes,
-                        color="gray")
+                ax.text(
+                    0.5,
+                    0.5,
+                    f"no {missing} in this log",
+                    ha="center",
+                    va="center",
+                    transform=ax.transAxes,
+                    color="gray",
+                )
             return fig
 
         return figure
@@ -67,8 +75,14 @@ def _figure(title: str, *, shows: Callable[[RunAnalysis], bool], missing: str, x
 def reward_figure(a: RunAnalysis, fig, ax) -> None:
     s = a.per_step
     ax.fill_between(s["step"], s["reward_min"], s["reward_max"], alpha=0.12, color="C0", label="min - max")
-    ax.fill_between(s["step"], s["reward_mean"] - s["reward_std"], s["reward_mean"] + s["reward_std"],
-                    alpha=0.3, color="C0", label="mean ± std")
+    ax.fill_between(
+        s["step"],
+        s["reward_mean"] - s["reward_std"],
+        s["reward_mean"] + s["reward_std"],
+        alpha=0.3,
+        color="C0",
+        label="mean ± std",
+    )
     ax.plot(s["step"], s["reward_mean"], color="C0", label="mean")
     ax.legend(loc="best")
 
@@ -83,8 +97,12 @@ def length_figure(a: RunAnalysis, fig, ax) -> None:
     ax.legend(loc="best")
 
 
-@_figure("KL divergence and entropy", shows=lambda a: _has(a.per_step, "kl") or _has(a.per_step, "entropy"),
-         missing="KL or entropy metrics", ylabel="KL to reference")
+@_figure(
+    "KL divergence and entropy",
+    shows=lambda a: _has(a.per_step, "kl") or _has(a.per_step, "entropy"),
+    missing="KL or entropy metrics",
+    ylabel="KL to reference",
+)
 def kl_entropy_figure(a: RunAnalysis, fig, ax) -> None:
     s = a.per_step
     if _has(s, "kl"):
@@ -96,8 +114,12 @@ def kl_entropy_figure(a: RunAnalysis, fig, ax) -> None:
         fig.legend(loc="upper right", bbox_to_anchor=(0.88, 0.88))
 
 
-@_figure("Throughput", shows=lambda a: _has(a.per_step, "tokens_per_s") or _has_rate_intervals(a.per_step),
-         missing="throughput metrics", ylabel="tokens / s")
+@_figure(
+    "Throughput",
+    shows=lambda a: _has(a.per_step, "tokens_per_s") or _has_rate_intervals(a.per_step),
+    missing="throughput metrics",
+    ylabel="tokens / s",
+)
 def throughput_figure(a: RunAnalysis, fig, ax) -> None:
     s = a.per_step
     if _has(s, "tokens_per_s"):
@@ -110,8 +132,13 @@ def throughput_figure(a: RunAnalysis, fig, ax) -> None:
     ax.legend(loc="best")
 
 
-@_figure("Staleness of trained trajectories", shows=lambda a: a.staleness_hist.sum() > 0, missing="trajectories",
-         xlabel="policy versions behind the trainer", ylabel="trajectories")
+@_figure(
+    "Staleness of trained trajectories",
+    shows=lambda a: a.staleness_hist.sum() > 0,
+    missing="trajectories",
+    xlabel="policy versions behind the trainer",
+    ylabel="trajectories",
+)
 def staleness_figure(a: RunAnalysis, fig, ax) -> None:
     hist = a.staleness_hist
     ax.bar(np.arange(len(hist)), hist, width=0.8)
@@ -127,12 +154,17 @@ def _time_parts(a: RunAnalysis) -> list[str]:
     return [p for p in TIME_PARTS if _has(a.per_step, p)]
 
 
-@_figure("Where the time went, per step", shows=lambda a: bool(_time_parts(a)), missing="timing metrics",
-         ylabel="seconds")
+@_figure(
+    "Where the time went, per step", shows=lambda a: bool(_time_parts(a)), missing="timing metrics", ylabel="seconds"
+)
 def time_figure(a: RunAnalysis, fig, ax) -> None:
     parts, totals = _time_parts(a), a.summary["time_s"]
-    ax.stackplot(a.per_step["step"], *[np.nan_to_num(a.per_step[p]) for p in parts],
-                 labels=[f"{p.removesuffix('_time')} ({totals.get(p, 0):.0f} s total)" for p in parts], alpha=0.8)
+    ax.stackplot(
+        a.per_step["step"],
+        *[np.nan_to_num(a.per_step[p]) for p in parts],
+        labels=[f"{p.removesuffix('_time')} ({totals.get(p, 0):.0f} s total)" for p in parts],
+        alpha=0.8,
+    )
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
 
 
@@ -154,12 +186,18 @@ def _plot_eval(ax, evals: dict, label_prefix: str = "", color=None) -> None:
     if _has(evals, "accuracy"):
         ax.plot(step, evals["accuracy"], marker="o", markersize=3, color=color, label=f"{label_prefix}accuracy")
     if _has(evals, "pass_at_k"):
-        ax.plot(step, evals["pass_at_k"], marker="s", markersize=3, linestyle="--", color=color,
-                label=f"{label_prefix}pass{_k_label(evals)}")
+        ax.plot(
+            step,
+            evals["pass_at_k"],
+            marker="s",
+            markersize=3,
+            linestyle="--",
+            color=color,
+            label=f"{label_prefix}pass{_k_label(evals)}",
+        )
 
 
-@_figure("Validation during training (held-out split)", shows=_has_eval, missing="eval",
-         ylabel="accuracy / pass@k")
+@_figure("Validation during training (held-out split)", shows=_has_eval, missing="eval", ylabel="accuracy / pass@k")
 def eval_figure(a: RunAnalysis, fig, ax) -> None:
     e = a.eval
     _plot_eval(ax, e)
@@ -169,8 +207,15 @@ def eval_figure(a: RunAnalysis, fig, ax) -> None:
                 ax.plot(e["step"], e[key], marker="^", markersize=3, label=label)
     best = a.summary.get("eval_accuracy")
     if best:
-        ax.scatter([best["best_step"]], [best["best"]], s=60, facecolors="none", edgecolors="red", zorder=3,
-                   label=f"best {best['best']:.3g} (step {best['best_step']})")
+        ax.scatter(
+            [best["best_step"]],
+            [best["best"]],
+            s=60,
+            facecolors="none",
+            edgecolors="red",
+            zorder=3,
+            label=f"best {best['best']:.3g} (step {best['best_step']})",
+        )
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="best")
 
@@ -214,8 +259,12 @@ def compare_figure(runs: dict[str, RunAnalysis]):
     evals = any(_has_eval(a) for a in runs.values())
     n_rows = 3 if evals else 2
     fig, axes = plt.subplots(n_rows, 2, figsize=(FIGSIZE[0] * 1.5, FIGSIZE[1] * 0.8 * n_rows), dpi=DPI, sharex=True)
-    panels = [("reward_mean", "mean reward"), ("response_len_mean", "mean response length (tokens)"),
-              ("kl", "KL to reference"), ("tokens_per_s", "tokens / s")]
+    panels = [
+        ("reward_mean", "mean reward"),
+        ("response_len_mean", "mean response length (tokens)"),
+        ("kl", "KL to reference"),
+        ("tokens_per_s", "tokens / s"),
+    ]
     for ax, (key, label) in zip(axes.flat, panels):
         for name, a in runs.items():
             if _has(a.per_step, key):

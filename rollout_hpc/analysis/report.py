@@ -62,8 +62,10 @@ def _flatten(summary: dict, prefix: str = "") -> list[tuple[str, str]]:
 def _eval_table(evals: dict) -> tuple[list[str], list[list[str]]]:
     """Column names (those with any value; time left out) and formatted rows of the eval table."""
     names = [n for n, v in evals.items() if n != "time" and not np.isnan(v).all()]
-    rows = [[_fmt(int(evals[n][i]) if n == "step" else float(evals[n][i])) for n in names]
-            for i in range(len(evals.get("step", ())))]
+    rows = [
+        [_fmt(int(evals[n][i]) if n == "step" else float(evals[n][i])) for n in names]
+        for i in range(len(evals.get("step", ())))
+    ]
     return names, rows
 
 
@@ -80,10 +82,16 @@ def write_report(run_dir_or_log: str | Path, out: str | Path | None = None, samp
                 rows = select_rows(reader, step=step, mode=mode, k=samples_per_kind)
                 sections.append((f"{mode} by reward", [render_sample(s, decode) for s in load_samples(reader, rows)]))
     out = Path(out) if out else path.parent / "report.html"
-    out.write_text(_TEMPLATE.render(
-        title=html.unescape(str(analysis.summary.get("run_name") or path.parent.name)),
-        log_line=analysis.summary["log"], warnings=analysis.warnings, rows=_flatten(analysis.summary),
-        figures=figures, samples=sections, sample_step=step,
-        **dict(zip(("eval_names", "eval_rows"), _eval_table(analysis.eval))),
-    ))
+    out.write_text(
+        _TEMPLATE.render(
+            title=html.unescape(str(analysis.summary.get("run_name") or path.parent.name)),
+            log_line=analysis.summary["log"],
+            warnings=analysis.warnings,
+            rows=_flatten(analysis.summary),
+            figures=figures,
+            samples=sections,
+            sample_step=step,
+            **dict(zip(("eval_names", "eval_rows"), _eval_table(analysis.eval))),
+        )
+    )
     return out

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -33,8 +33,14 @@ def last_step(reader: TrajectoryReader) -> int | None:
     return int(reader.column("step", reader.rows - 1)[0]) if reader.rows else None
 
 
-def select_rows(reader: TrajectoryReader, step: int | None = None, prompt: int | None = None, mode: str = "best",
-                k: int = 3, seed: int = 0) -> np.ndarray:
+def select_rows(
+    reader: TrajectoryReader,
+    step: int | None = None,
+    prompt: int | None = None,
+    mode: str = "best",
+    k: int = 3,
+    seed: int = 0,
+) -> np.ndarray:
     """Row indices of up to k trajectories matching step/prompt, by reward (best/worst) or at random."""
     if mode not in ("best", "worst", "random"):
         raise ValueError(f"mode must be best, worst or random, not {mode!r}")

@@ -17,12 +17,22 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from rollout_hpc.trajectory import REWARD_OK, REWARD_TIMEOUT
 from rollout_hpc.store.trajlog import TrajectoryReader, read_meta
+from rollout_hpc.trajectory import REWARD_OK, REWARD_TIMEOUT
 
 CHUNK_ROWS = 1 << 16
 PROGRESS_MIN_ROWS = 1 << 20  # show a progress bar from this many trajectories on
-_COLUMNS = ["step", "reward", "prompt_len", "response_len", "truncated", "staleness", "t_start", "t_end", "reward_status"]
+_COLUMNS = [
+    "step",
+    "reward",
+    "prompt_len",
+    "response_len",
+    "truncated",
+    "staleness",
+    "t_start",
+    "t_end",
+    "reward_status",
+]
 # Metric names some writers use for the standard columns of the metrics table.
 METRIC_ALIASES = {
     "gen_time": ("gen_time", "gen_span_s"),
@@ -104,7 +114,13 @@ def _stats(values: np.ndarray | None) -> dict | None:
     v = values[~np.isnan(values)]
     if not len(v):
         return None
-    return {"first": float(v[0]), "last": float(v[-1]), "mean": float(v.mean()), "min": float(v.min()), "max": float(v.max())}
+    return {
+        "first": float(v[0]),
+        "last": float(v[-1]),
+        "mean": float(v.mean()),
+        "min": float(v.min()),
+        "max": float(v.max()),
+    }
 
 
 def _percentile_from_hist(hist: np.ndarray, q: float) -> float:
@@ -116,8 +132,15 @@ def _percentile_from_hist(hist: np.ndarray, q: float) -> float:
 
 def _progress(total: int, label: str) -> Progress:
     console = Console(stderr=True)
-    return Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=console,
-                    transient=True, disable=total < PROGRESS_MIN_ROWS or not console.is_terminal)
+    return Progress(
+        TextColumn(label),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+        disable=total < PROGRESS_MIN_ROWS or not console.is_terminal,
+    )
 
 
 @dataclass
@@ -163,12 +186,20 @@ def analyze_run(run_dir_or_log: str | Path, chunk_rows: int = CHUNK_ROWS) -> Run
                 steps = chunk["step"].astype(np.int64)
                 reward = chunk["reward"].astype(np.float64)
                 resp = chunk["response_len"].astype(np.int64)
-                acc.add(steps, reward=reward, response_len=resp, tokens=resp + chunk["prompt_len"],
-                        staleness=chunk["staleness"])
+                acc.add(
+                    steps,
+                    reward=reward,
+                    response_len=resp,
+                    tokens=resp + chunk["prompt_len"],
+                    staleness=chunk["staleness"],
+                )
                 totals.add(chunk, reward, resp)
                 bar.advance(task, len(steps))
-        log_state = {"log": reader.status_line(), "closed_cleanly": reader.closed_cleanly,
-                     "uncommitted_rows_ignored": int(reader.cut_rows)}
+        log_state = {
+            "log": reader.status_line(),
+            "closed_cleanly": reader.closed_cleanly,
+            "uncommitted_rows_ignored": int(reader.cut_rows),
+        }
         table = reader.metrics()
         evals = reader.eval_metrics()
     return _assemble(meta, acc, totals, table, log_state, evals)
@@ -191,12 +222,25 @@ def eval_accuracy(evals: dict[str, np.ndarray]) -> dict | None:
     ok = ~np.isnan(acc)
     steps, values = evals["step"][ok], acc[ok]
     best = int(np.argmax(values))
-    return {"first": float(values[0]), "last": float(values[-1]), "best": float(values[best]),
-            "best_step": int(steps[best]), "first_step": int(steps[0]), "last_step": int(steps[-1]), "evals": int(len(values))}
+    return {
+        "first": float(values[0]),
+        "last": float(values[-1]),
+        "best": float(values[best]),
+        "best_step": int(steps[best]),
+        "first_step": int(steps[0]),
+        "last_step": int(steps[-1]),
+        "evals": int(len(values)),
+    }
 
 
-def _assemble(meta: dict, acc: _StepAccumulator, t: _Totals, table: dict[str, np.ndarray], log_state: dict,
-              evals: dict[str, np.ndarray] | None = None) -> RunAnalysis:
+def _assemble(
+    meta: dict,
+    acc: _StepAccumulator,
+    t: _Totals,
+    table: dict[str, np.ndarray],
+    log_state: dict,
+    evals: dict[str, np.ndarray] | None = None,
+) -> RunAnalysis:
     evals = evals or {}
     n = t.n
     has = acc.count > 0
@@ -288,22 +332,30 @@ def _warnings(summary: dict, per_step: dict, meta: dict) -> list[str]:
         stds = per_step["reward_std"][-tail:]
         if np.all(stds < 1e-9):
             value = per_step["reward_mean"][-1]
-            out.append(f"reward collapsed: every sample of the last {tail} steps got the same reward ({value:g}); "
-                       "group-relative advantages are zero, so the policy gets no learning signal")
+            out.append(
+                f"reward collapsed: every sample of the last {tail} steps got the same reward ({value:g}); "
+                "group-relative advantages are zero, so the policy gets no learning signal"
+            )
     frac = summary["response_length"]["truncated_fraction"]
     # With max_new_tokens 1 (one-token answers, as in the quickstart) every response "hits" the limit by design.
     if frac > TRUNCATION_WARN and summary["response_length"]["max_new_tokens"] != 1:
-        out.append(f"{frac:.0%} of responses hit max_new_tokens ({summary['response_length']['max_new_tokens']}); "
-                   "raise algorithm.max_new_tokens or add overlong shaping")
+        out.append(
+            f"{frac:.0%} of responses hit max_new_tokens ({summary['response_length']['max_new_tokens']}); "
+            "raise algorithm.max_new_tokens or add overlong shaping"
+        )
     errors, timeouts = summary["reward_errors"], summary["reward_timeouts"]
     if errors:
-        out.append(f"{errors} trajectories ({errors / max(summary['samples'], 1):.1%}) have a stand-in reward of 0: "
-                   f"the reward function raised for {errors - timeouts} and ran past task.reward_timeout for {timeouts}")
+        out.append(
+            f"{errors} trajectories ({errors / max(summary['samples'], 1):.1%}) have a stand-in reward of 0: "
+            f"the reward function raised for {errors - timeouts} and ran past task.reward_timeout for {timeouts}"
+        )
     bound = summary["staleness"]["bound"]
     if bound is not None and summary["staleness"]["max"] > bound:
         over = sum(v for k, v in summary["staleness"]["histogram"].items() if k > bound)
-        out.append(f"staleness above the bound: {over} trajectories lagged more than max_staleness={bound} "
-                   f"(max {summary['staleness']['max']})")
+        out.append(
+            f"staleness above the bound: {over} trajectories lagged more than max_staleness={bound} "
+            f"(max {summary['staleness']['max']})"
+        )
     return out
 
 

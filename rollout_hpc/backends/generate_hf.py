@@ -17,17 +17,18 @@ from __future__ import annotations
 import hashlib
 import inspect
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from rollout_hpc.envs.base import dataset_item, is_multi_turn, prompt_text
+from rollout_hpc.envs.base import dataset_item, is_multi_turn
 from rollout_hpc.envs.registry import TaskError
-from rollout_hpc.trajectory import TrajectoryBatch
 from rollout_hpc.models.logprobs import left_pad, position_ids_from_mask
 from rollout_hpc.models.prompting import encode_prompt_item
+from rollout_hpc.trajectory import TrajectoryBatch
 
 
 @dataclass(frozen=True)
@@ -40,13 +41,19 @@ class SamplingParams:
     greedy: bool = False  # argmax instead of sampling (eval); log-probabilities at temperature 1
 
     @classmethod
-    def from_config(cls, algorithm_cfg, tokenizer) -> "SamplingParams":
-        return cls(algorithm_cfg.max_new_tokens, algorithm_cfg.temperature, algorithm_cfg.top_p,
-                   tuple(getattr(tokenizer, "stop_ids", (tokenizer.eos_id,))), tuple(algorithm_cfg.stop))
+    def from_config(cls, algorithm_cfg, tokenizer) -> SamplingParams:
+        return cls(
+            algorithm_cfg.max_new_tokens,
+            algorithm_cfg.temperature,
+            algorithm_cfg.top_p,
+            tuple(getattr(tokenizer, "stop_ids", (tokenizer.eos_id,))),
+            tuple(algorithm_cfg.stop),
+        )
 
 
 def stop_string_end(tokenizer, response_ids: Sequence[int], stops: Sequence[str]) -> int | None:
     """Length of the response up to and including the token that completes the first stop string, or None."""
+
     def has_stop(n: int) -> bool:
         text = tokenizer.decode(list(response_ids[:n]))
         return any(s in text for s in stops)
@@ -60,7 +67,7 @@ def stop_string_end(tokenizer, response_ids: Sequence[int], stops: Sequence[str]
     return lo
 
 
-def cut_at_stop_strings(gen: "Generation", tokenizer, stops: Sequence[str]) -> "Generation":
+def cut_at_stop_strings(gen: Generation, tokenizer, stops: Sequence[str]) -> Generation:
     """Cut every response after the token that completes a stop string (that response is then not truncated)."""
     if not stops:
         return gen
@@ -163,7 +170,7 @@ def generate(
             tail = max(len(x) for x in params.stop) + 8
             for i in torch.nonzero(live & ~finished).flatten().tolist():
                 lo = max(0, int(lengths[i]) - tail)
-                if any(x in stop_text(out_ids[i, lo: int(lengths[i])].tolist()) for x in params.stop):
+                if any(x in stop_text(out_ids[i, lo : int(lengths[i])].tolist()) for x in params.stop):
                     finished[i] = True
         if bool(finished.all()):
             break
@@ -182,6 +189,7 @@ def generate(
 
 # --- records -------------------------------------------------------------------
 
+
 def trajectory_batch(
     prompt_tokens: Sequence[Sequence[int]],
     response_ids: Sequence[Sequence[int]],
@@ -199,10 +207,23 @@ def trajectory_batch(
     turn_starts: Sequence[Sequence[int]] | None = None,
 ) -> TrajectoryBatch:
     """Pack generation results into the record every generator produces (one row per trajectory)."""
-    fixed = dict(prompt_id=prompt_index, sample_idx=sample_idx, gen_rank=gen_rank, policy_version=policy_version,
-                 reward=rewards, truncated=[bool(t) for t in truncated], t_start=t_start, t_end=t_end)
-    ragged = dict(prompt_ids=prompt_tokens, response_ids=response_ids, logprobs=logprobs, loss_mask=loss_masks,
-                  turn_starts=turn_starts)
+    fixed = dict(
+        prompt_id=prompt_index,
+        sample_idx=sample_idx,
+        gen_rank=gen_rank,
+        policy_version=policy_version,
+        reward=rewards,
+        truncated=[bool(t) for t in truncated],
+        t_start=t_start,
+        t_end=t_end,
+    )
+    ragged = dict(
+        prompt_ids=prompt_tokens,
+        response_ids=response_ids,
+        logprobs=logprobs,
+        loss_mask=loss_masks,
+        turn_starts=turn_starts,
+    )
     return TrajectoryBatch.from_columns(len(response_ids), fixed, ragged)
 
 
@@ -223,8 +244,14 @@ class Episode:
     truncated: bool  # ended by max_turns or the context limit, not by the environment
 
 
-def rollout_episodes(envs: Sequence[Any], items: Sequence[Any], generate_fn: GenerateFn, tokenizer,
-                     max_new_tokens: int, max_context: int | None = None) -> list[Episode]:
+def rollout_episodes(
+    envs: Sequence[Any],
+    items: Sequence[Any],
+    generate_fn: GenerateFn,
+    tokenizer,
+    max_new_tokens: int,
+    max_context: int | None = None,
+) -> list[Episode]:
     """Play one episode per (env, item) in lockstep: each turn generates for every live episode
     in one batch, then steps the environments. An episode ends when its environment says done,
     after env.max_turns turns, or when the next turn would not fit in max_context tokens."""
@@ -270,6 +297,7 @@ def rollout_episodes(envs: Sequence[Any], items: Sequence[Any], generate_fn: Gen
 
 # --- the generator a rank runs ------------------------------------------------
 
+
 class Generator:
     """One generator rank's engine: model + tokenizer + task -> TrajectoryBatch per call.
     Backends implement generate(prompts, seeds) and load_weights(weights); rollout is shared.
@@ -295,7 +323,9 @@ class Generator:
     def load_weights(self, weights: dict[str, Any]) -> None:
         raise NotImplementedError
 
-    def rollout(self, dataset, prompt_indices: Sequence[int], group_size: int, gen_rank: int, policy_version: int) -> TrajectoryBatch:
+    def rollout(
+        self, dataset, prompt_indices: Sequence[int], group_size: int, gen_rank: int, policy_version: int
+    ) -> TrajectoryBatch:
         """group_size samples of each prompt, rows ordered by (prompt index, sample). Sample s of
         prompt i is drawn with seed derive_seed(seed, i, s[, turn]): the same whichever rank or
         batch generates it, so a resumed run samples exactly what the lost one would have."""
@@ -303,8 +333,13 @@ class Generator:
         items = [dataset_item(dataset, i) for i in prompt_indices]
         rows = [(int(idx), item, s) for idx, item in zip(prompt_indices, items) for s in range(group_size)]
         row_seeds = [derive_seed(self.seed, idx, s) for idx, _, s in rows]
-        common = dict(prompt_index=[r[0] for r in rows], sample_idx=[r[2] for r in rows], gen_rank=gen_rank,
-                      policy_version=policy_version, t_start=t_start)
+        common = dict(
+            prompt_index=[r[0] for r in rows],
+            sample_idx=[r[2] for r in rows],
+            gen_rank=gen_rank,
+            policy_version=policy_version,
+            t_start=t_start,
+        )
         if is_multi_turn(self.task):
             envs = [self.task.make_env() for _ in rows]
             turn = iter(range(1 << 30))
@@ -313,28 +348,44 @@ class Generator:
                 k = next(turn)
                 return self.generate(prompts, [derive_seed(row_seeds[i], k) for i in live])
 
-            eps = rollout_episodes(envs, [item for _, item, _ in rows], generate_turn, self.tokenizer,
-                                   self.sampling.max_new_tokens, self.max_context)
+            eps = rollout_episodes(
+                envs,
+                [item for _, item, _ in rows],
+                generate_turn,
+                self.tokenizer,
+                self.sampling.max_new_tokens,
+                self.max_context,
+            )
             return trajectory_batch(
-                [e.prompt_ids for e in eps], [e.response_ids for e in eps], [e.logprobs for e in eps],
-                [e.reward for e in eps], truncated=[e.truncated for e in eps], t_end=time.time(),
-                loss_masks=[e.loss_mask for e in eps], turn_starts=[e.turn_starts for e in eps], **common,
+                [e.prompt_ids for e in eps],
+                [e.response_ids for e in eps],
+                [e.logprobs for e in eps],
+                [e.reward for e in eps],
+                truncated=[e.truncated for e in eps],
+                t_end=time.time(),
+                loss_masks=[e.loss_mask for e in eps],
+                turn_starts=[e.turn_starts for e in eps],
+                **common,
             )
         prompt_tokens = [self.encode_prompt(item) for _, item, _ in rows]
         gen = self.generate(prompt_tokens, row_seeds)
-        rewards = [self.task.reward(item, self.tokenizer.decode(ids)) for (_, item, _), ids in zip(rows, gen.response_ids)]
-        return trajectory_batch(prompt_tokens, gen.response_ids, gen.logprobs, rewards, truncated=gen.truncated,
-                                t_end=time.time(), **common)
+        rewards = [
+            self.task.reward(item, self.tokenizer.decode(ids)) for (_, item, _), ids in zip(rows, gen.response_ids)
+        ]
+        return trajectory_batch(
+            prompt_tokens, gen.response_ids, gen.logprobs, rewards, truncated=gen.truncated, t_end=time.time(), **common
+        )
 
 
 class HFGenerator(Generator):
     """The torch / transformers backend (generator.backend 'hf'), CPU or GPU.
 
-        gen = HFGenerator(model, tokenizer, task, SamplingParams.from_config(cfg.algorithm, tokenizer), seed=cfg.run.seed)
+    gen = HFGenerator(model, tokenizer, task, SamplingParams.from_config(cfg.algorithm, tokenizer), seed=cfg.run.seed)
     """
 
-    def __init__(self, model, tokenizer, task, sampling: SamplingParams, seed: int = 0,
-                 max_context: int | None = None) -> None:
+    def __init__(
+        self, model, tokenizer, task, sampling: SamplingParams, seed: int = 0, max_context: int | None = None
+    ) -> None:
         self.model, self.tokenizer, self.task, self.sampling, self.seed = model.eval(), tokenizer, task, sampling, seed
         self.max_context = max_context or getattr(getattr(model, "config", None), "max_position_embeddings", None)
 
@@ -344,8 +395,14 @@ class HFGenerator(Generator):
     def generate(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams | None = None) -> Generation:
         params = params or self.sampling
         generators = [torch.Generator().manual_seed(s) for s in seeds]
-        out = generate(self.model, prompts, params, self.tokenizer.pad_id, generators,
-                       stop_text=self.tokenizer.decode if params.stop else None)
+        out = generate(
+            self.model,
+            prompts,
+            params,
+            self.tokenizer.pad_id,
+            generators,
+            stop_text=self.tokenizer.decode if params.stop else None,
+        )
         return cut_at_stop_strings(out, self.tokenizer, params.stop)
 
 
@@ -356,7 +413,9 @@ def load_weights_into(model, weights: dict[str, Any]) -> None:
     state = model.state_dict()
     unknown = [k for k in weights if k not in state]
     if unknown:
-        raise KeyError(f"weights for unknown tensors {unknown[:5]}: trainer and generator models differ (check model.*)")
+        raise KeyError(
+            f"weights for unknown tensors {unknown[:5]}: trainer and generator models differ (check model.*)"
+        )
     given = {state[k].data_ptr() for k in weights}  # tied parameters share storage
     missing = [name for name, p in model.named_parameters() if name not in weights and p.data_ptr() not in given]
     if missing:

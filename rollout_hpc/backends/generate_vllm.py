@@ -19,8 +19,7 @@ from rollout_hpc.config import ConfigError
 
 from .generate_hf import Generation, Generator, SamplingParams, cut_at_stop_strings
 
-NEEDS = ("generator.backend 'vllm' needs vLLM and a GPU; install with pip install vllm on a GPU node, "
-         "or use backend hf")
+NEEDS = "generator.backend 'vllm' needs vLLM and a GPU; install with pip install vllm on a GPU node, or use backend hf"
 
 
 class VLLMUnavailable(ConfigError):
@@ -46,8 +45,17 @@ def _load_weights_on_worker(worker, weights: list[tuple[str, Any]]) -> None:
 
 
 class VLLMGenerator(Generator):
-    def __init__(self, model_cfg, tokenizer, task, sampling: SamplingParams, seed: int = 0,
-                 tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.85, model=None) -> None:
+    def __init__(
+        self,
+        model_cfg,
+        tokenizer,
+        task,
+        sampling: SamplingParams,
+        seed: int = 0,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.85,
+        model=None,
+    ) -> None:
         # Weight updates call a function of ours in vLLM's workers (collective_rpc); recent vLLM only pickles a
         # function across its own engine processes (all on this node, this rank's children) when this is set.
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
@@ -63,8 +71,15 @@ class VLLMGenerator(Generator):
             model.save_pretrained(self._tmp.name)
             path = self._tmp.name
         self.max_context = model_cfg.max_seq_len if model_cfg.path is None else None
-        kwargs = dict(model=path, tensor_parallel_size=tensor_parallel_size, dtype=model_cfg.dtype, seed=seed,
-                      skip_tokenizer_init=True, gpu_memory_utilization=gpu_memory_utilization, enforce_eager=True)
+        kwargs = dict(
+            model=path,
+            tensor_parallel_size=tensor_parallel_size,
+            dtype=model_cfg.dtype,
+            seed=seed,
+            skip_tokenizer_init=True,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=True,
+        )
         try:
             self.llm = vllm.LLM(logprobs_mode="processed_logprobs", **kwargs)
             self.logprobs_mode = "processed_logprobs"
@@ -80,9 +95,15 @@ class VLLMGenerator(Generator):
         # Stop strings need text, and the engine has no tokenizer (skip_tokenizer_init): responses are cut after
         # generation (cut_at_stop_strings), the same cut the HF backend makes.
         params = [
-            vllm.SamplingParams(temperature=0.0 if s.greedy else s.temperature, top_p=1.0 if s.greedy else s.top_p,
-                                max_tokens=s.max_new_tokens,
-                                stop_token_ids=list(s.stop_ids), logprobs=1, seed=seed % (1 << 63), detokenize=False)
+            vllm.SamplingParams(
+                temperature=0.0 if s.greedy else s.temperature,
+                top_p=1.0 if s.greedy else s.top_p,
+                max_tokens=s.max_new_tokens,
+                stop_token_ids=list(s.stop_ids),
+                logprobs=1,
+                seed=seed % (1 << 63),
+                detokenize=False,
+            )
             for seed in seeds
         ]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)

@@ -80,7 +80,9 @@ class DeepSpeedTrainer(Trainer):
         try:
             import deepspeed
         except ImportError as exc:
-            raise TrainerError(f"trainer.backend 'deepspeed' needs the deepspeed package ({exc}); pip install deepspeed, or use backend 'torch'") from None
+            raise TrainerError(
+                f"trainer.backend 'deepspeed' needs the deepspeed package ({exc}); pip install deepspeed, or use backend 'torch'"
+            ) from None
         super().__init__(cfg, world)
         if on_gpu:
             torch.cuda.set_device(self.device)
@@ -93,7 +95,9 @@ class DeepSpeedTrainer(Trainer):
         model = model.to(self.device)
         optimizer = make_optimizer(model.parameters(), a)
         scoring = self._prepare_model(model)  # the engine's forward gives logits, values or chunked log-probs
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=scoring, optimizer=optimizer, config=deepspeed_config(cfg))
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=scoring, optimizer=optimizer, config=deepspeed_config(cfg)
+        )
         self.module = self.engine.module.model  # parameter names are the model's own
 
     supports_accumulation = True
@@ -180,8 +184,10 @@ class DeepSpeedTrainer(Trainer):
         by some rank: after a change of trainer count the checkpointer gives each rank the union of the
         shards it read (runtime/checkpointing.py)."""
         if "optimizer" not in state:
-            raise TrainerError("the checkpoint's DeepSpeed state is an opaque per-rank optimizer blob (written by an older "
-                               "rollout-hpc); resume it with that version, or start a new run")
+            raise TrainerError(
+                "the checkpoint's DeepSpeed state is an opaque per-rank optimizer blob (written by an older "
+                "rollout-hpc); resume it with that version, or start a new run"
+            )
         saved = f"ZeRO-{int(state['zero_stage'])} over {int(state['n_ranks'])} rank(s)"
         now = f"ZeRO-{self.stage} over {self.world.group_size} rank(s)"
         self.load_full_weights(state.get("weights"))
@@ -229,11 +235,15 @@ class DeepSpeedTrainer(Trainer):
             # unpadded value and fails on the last rank when the parameter does not divide evenly: set the slice.
             k, me = param.partition_numel(), self.world.group_rank
             part = torch.zeros(k, dtype=torch.float32)
-            mine = value.reshape(-1)[me * k:(me + 1) * k]
+            mine = value.reshape(-1)[me * k : (me + 1) * k]
             part[: mine.numel()] = mine
-            ds.safe_set_local_fp32_param(param, part) if key == "fp32" else ds.safe_set_local_optimizer_state(param, part, key)
+            ds.safe_set_local_fp32_param(param, part) if key == "fp32" else ds.safe_set_local_optimizer_state(
+                param, part, key
+            )
         elif hasattr(param, "_hp_mapping"):  # ZeRO-1/2 (or bf16's fp32 copy): each rank copies its fragment
-            ds.safe_set_full_fp32_param(param, value) if key == "fp32" else ds.safe_set_full_optimizer_state(param, value, key)
+            ds.safe_set_full_fp32_param(param, value) if key == "fp32" else ds.safe_set_full_optimizer_state(
+                param, value, key
+            )
         else:
             target = param.data if key == "fp32" else self._base_optimizer().state[param][key]
             target.copy_(value.view_as(target))
@@ -246,7 +256,9 @@ class DeepSpeedTrainer(Trainer):
         for i, (name, param) in enumerate(self.module.named_parameters()):
             whole = {key: self._full(param, key) for key in keys}  # every rank joins the gathers ...
             if i % n == me:  # ... and keeps every n-th parameter
-                params[name] = {key: t.detach().float().cpu().reshape(_shape(param)).clone() for key, t in whole.items()}
+                params[name] = {
+                    key: t.detach().float().cpu().reshape(_shape(param)).clone() for key, t in whole.items()
+                }
         # lr: what this engine ran with, for the record (a resume takes algorithm.lr / critic_lr from its config)
         share: dict[str, Any] = {"params": params, "lr": float(self._base_optimizer().param_groups[0]["lr"])}
         if step is not None:
@@ -264,8 +276,10 @@ class DeepSpeedTrainer(Trainer):
         missing = [name for name, _ in named if name not in owner]
         if missing or len(owner) != len(named):
             unknown = sorted(set(owner) - {name for name, _ in named})
-            raise TrainerError(f"the checkpoint's optimizer state does not match this model (missing {missing[:3]}, "
-                               f"unknown {unknown[:3]}): resume with the model the checkpoint was written for")
+            raise TrainerError(
+                f"the checkpoint's optimizer state does not match this model (missing {missing[:3]}, "
+                f"unknown {unknown[:3]}): resume with the model the checkpoint was written for"
+            )
         keys = ("fp32",)
         if "step" in share:
             keys = ("fp32", *ADAM_MOMENTS)

@@ -55,9 +55,12 @@ def _hf_shape(hf_model) -> dict:
 
 # --- weight layout: Hugging Face Llama <-> megatron-core GPTModel (unsharded) -------------
 
+
 def hf_to_megatron(hf: dict[str, torch.Tensor], s: dict) -> dict[str, torch.Tensor]:
-    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": hf["model.norm.weight"]}
+    out = {
+        "embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+        "decoder.final_layernorm.weight": hf["model.norm.weight"],
+    }
     if not s["tied"]:
         out["output_layer.weight"] = hf["lm_head.weight"]
     groups, per_group, d = s["kv_heads"], s["heads"] // s["kv_heads"], s["head_dim"]
@@ -77,9 +80,11 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], s: dict) -> dict[str, torch.Tens
 
 
 def megatron_to_hf(mg: dict[str, torch.Tensor], s: dict) -> dict[str, torch.Tensor]:
-    out = {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"],
-           "model.norm.weight": mg["decoder.final_layernorm.weight"],
-           "lm_head.weight": mg["embedding.word_embeddings.weight"] if s["tied"] else mg["output_layer.weight"]}
+    out = {
+        "model.embed_tokens.weight": mg["embedding.word_embeddings.weight"],
+        "model.norm.weight": mg["decoder.final_layernorm.weight"],
+        "lm_head.weight": mg["embedding.word_embeddings.weight"] if s["tied"] else mg["output_layer.weight"],
+    }
     groups, per_group, d = s["kv_heads"], s["heads"] // s["kv_heads"], s["head_dim"]
     for i in range(s["layers"]):
         p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
@@ -139,12 +144,18 @@ class MegatronTrainer(Trainer):
         super().__init__(cfg, world)
         t = cfg.trainer
         if t.pipeline_parallel != 1:
-            raise TrainerError("trainer.pipeline_parallel > 1 is not supported by the RL loop yet; use tensor_parallel and data parallel")
+            raise TrainerError(
+                "trainer.pipeline_parallel > 1 is not supported by the RL loop yet; use tensor_parallel and data parallel"
+            )
         if world.group_size % t.tensor_parallel:
-            raise TrainerError(f"trainer ranks ({world.group_size}) must be a multiple of trainer.tensor_parallel ({t.tensor_parallel})")
+            raise TrainerError(
+                f"trainer ranks ({world.group_size}) must be a multiple of trainer.tensor_parallel ({t.tensor_parallel})"
+            )
         torch.cuda.set_device(self.device)
         init_torch_distributed(world, "nccl")
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=t.tensor_parallel, pipeline_model_parallel_size=1)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=t.tensor_parallel, pipeline_model_parallel_size=1
+        )
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.run.seed)
         self._ps = parallel_state
         self.shape = s = _hf_shape(model)
@@ -152,17 +163,33 @@ class MegatronTrainer(Trainer):
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
         config = TransformerConfig(
-            num_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
-            num_query_groups=s["kv_heads"], ffn_hidden_size=s["ffn"], kv_channels=s["head_dim"],
-            normalization="RMSNorm", layernorm_epsilon=s["eps"], gated_linear_unit=True,
-            activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=False,
-            hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=self.tp,
-            params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+            num_layers=s["layers"],
+            hidden_size=s["hidden"],
+            num_attention_heads=s["heads"],
+            num_query_groups=s["kv_heads"],
+            ffn_hidden_size=s["ffn"],
+            kv_channels=s["head_dim"],
+            normalization="RMSNorm",
+            layernorm_epsilon=s["eps"],
+            gated_linear_unit=True,
+            activation_func=torch.nn.functional.silu,
+            add_bias_linear=False,
+            add_qkv_bias=False,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            tensor_model_parallel_size=self.tp,
+            params_dtype=dtype,
+            bf16=dtype == torch.bfloat16,
+            fp16=dtype == torch.float16,
         )
         self.module = GPTModel(
-            config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-            vocab_size=s["vocab"], max_sequence_length=s["max_len"], position_embedding_type="rope",
-            rotary_base=int(s["rope_theta"]), share_embeddings_and_output_weights=s["tied"],
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            vocab_size=s["vocab"],
+            max_sequence_length=s["max_len"],
+            position_embedding_type="rope",
+            rotary_base=int(s["rope_theta"]),
+            share_embeddings_and_output_weights=s["tied"],
         ).to(self.device)
         self.load_full_weights({k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()})
         self.engine = self.module
@@ -170,7 +197,9 @@ class MegatronTrainer(Trainer):
         if parallel_state.get_data_parallel_world_size() > 1:
             from torch.nn.parallel import DistributedDataParallel
 
-            self.engine = DistributedDataParallel(self.module, device_ids=[self.device.index], process_group=self.dp_group)
+            self.engine = DistributedDataParallel(
+                self.module, device_ids=[self.device.index], process_group=self.dp_group
+            )
         a = cfg.algorithm
         self.optimizer = make_optimizer(self.module.parameters(), a)  # LR set per step from algorithm.lr_schedule
 
@@ -229,8 +258,12 @@ class MegatronTrainer(Trainer):
 
     def state_dict_for_checkpoint(self) -> dict[str, Any]:
         # Tensor-parallel ranks hold different optimizer shards: like ZeRO, one checkpoint shard per rank.
-        state = {"optimizer": copy.deepcopy(self.optimizer.state_dict()), "rng": capture_rng_state(),
-                 "steps_done": self.steps_done, "tp": self.tp}
+        state = {
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "rng": capture_rng_state(),
+            "steps_done": self.steps_done,
+            "tp": self.tp,
+        }
         weights = self.full_weights()  # collective over the tensor-parallel group
         if self.world.group_rank == 0:
             state["weights"] = weights
@@ -240,10 +273,14 @@ class MegatronTrainer(Trainer):
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         if int(state["tp"]) != self.tp:
-            raise TrainerError(f"the checkpoint was written with trainer.tensor_parallel {int(state['tp'])}; this run has {self.tp}")
+            raise TrainerError(
+                f"the checkpoint was written with trainer.tensor_parallel {int(state['tp'])}; this run has {self.tp}"
+            )
         weights = self.world.group_comm.bcast(state.get("weights"), root=0)
         self.load_full_weights(weights)
         saved = state["optimizer"]
-        self.optimizer.load_state_dict({"state": saved["state"], "param_groups": self.optimizer.state_dict()["param_groups"]})
+        self.optimizer.load_state_dict(
+            {"state": saved["state"], "param_groups": self.optimizer.state_dict()["param_groups"]}
+        )
         restore_rng_state(state["rng"])
         self.steps_done = int(state["steps_done"])

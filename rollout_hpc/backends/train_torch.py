@@ -34,7 +34,9 @@ class TorchTrainer(Trainer):
         if world.group_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 
-            self.engine = DistributedDataParallel(self.engine, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            self.engine = DistributedDataParallel(
+                self.engine, device_ids=[self.device.index] if self.device.type == "cuda" else None
+            )
         self.optimizer = make_optimizer(self.module.parameters(), cfg.algorithm)
 
     supports_accumulation = True
@@ -86,7 +88,8 @@ class TorchTrainer(Trainer):
         self.load_full_weights(state["weights"])
         saved = state["optimizer"]
         # Hyper-parameters come from the current config (a resume may change lr); moments from the checkpoint.
-        self.optimizer.load_state_dict({"state": saved["state"], "param_groups": self.optimizer.state_dict()["param_groups"]})
+        self.optimizer.load_state_dict(
+            {"state": saved["state"], "param_groups": self.optimizer.state_dict()["param_groups"]}
+        )
         restore_rng_state(state["rng"])
         self.steps_done = int(state["steps_done"])
-

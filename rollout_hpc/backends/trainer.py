@@ -32,8 +32,9 @@ import os
 import socket
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,7 +51,9 @@ class TrainerError(UserError):
 
 
 # --- scoring tokens ------------------------------------------------------------------------------
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log p(x_t | x_<t) and the entropy of that prediction, shape [B, T], column 0 = 0,
     from full logits (the reference implementation; `lm_token_scores` does it in chunks).
 
@@ -94,8 +97,14 @@ def _chunk_scores(head: torch.nn.Module, temperature: float, hidden: torch.Tenso
     return picked, entropy
 
 
-def lm_token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
-                    chunk_tokens: int | None = 1024, positions: torch.Tensor | None = None):
+def lm_token_scores(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = 1024,
+    positions: torch.Tensor | None = None,
+):
     """(logp, entropy) [B, T] as `token_logprobs(model_logits(...))`, without full-vocabulary logits.
 
     Only the positions where `positions` is non-zero are scored (all but column 0 if None); the rest are 0.
@@ -113,13 +122,15 @@ def lm_token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         return logp, ent
     body, head = split
     hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    sel = torch.ones(B, T - 1, dtype=torch.bool, device=input_ids.device) if positions is None else positions[:, 1:] != 0
+    sel = (
+        torch.ones(B, T - 1, dtype=torch.bool, device=input_ids.device) if positions is None else positions[:, 1:] != 0
+    )
     rows, cols = sel.nonzero(as_tuple=True)
     h, targets = hidden[:, :-1][rows, cols], input_ids[:, 1:][rows, cols]
     fn = partial(_chunk_scores, head, temperature)
     pieces = []
     for s in range(0, h.shape[0], chunk_tokens):
-        hs, ts = h[s:s + chunk_tokens], targets[s:s + chunk_tokens]
+        hs, ts = h[s : s + chunk_tokens], targets[s : s + chunk_tokens]
         pieces.append(checkpoint(fn, hs, ts, use_reentrant=False) if hs.requires_grad else fn(hs, ts))
     logp = hidden.new_zeros(B, T, dtype=torch.float32)
     ent = hidden.new_zeros(B, T, dtype=torch.float32)
@@ -137,8 +148,9 @@ def lm_token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 
 
 @torch.no_grad()
-def score_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg,
-                 positions: torch.Tensor | None = None) -> torch.Tensor:
+def score_tokens(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, positions: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per-token log-probs [B, T] of a model outside any engine (the frozen reference), on the CPU: in
     micro-batches of trainer.max_tokens_per_microbatch / micro_batch_size, chunked like the trainer's."""
     t = cfg.trainer
@@ -152,8 +164,14 @@ def score_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, c
     for rows in parts:
         mb = batch if len(parts) == 1 else micro_batch(batch, rows)
         mb = {k: v.to(device) for k, v in mb.items()}
-        lp = lm_token_scores(model, mb["input_ids"], mb["attention_mask"], cfg.algorithm.temperature,
-                             t.logprob_chunk_tokens, mb.get("mask"))[0]
+        lp = lm_token_scores(
+            model,
+            mb["input_ids"],
+            mb["attention_mask"],
+            cfg.algorithm.temperature,
+            t.logprob_chunk_tokens,
+            mb.get("mask"),
+        )[0]
         outs.append(_pad_time(lp.cpu(), T))
     return torch.cat(outs) if outs else torch.zeros(0, T)
 
@@ -180,8 +198,10 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> bool:
     """Recompute each decoder layer's activations in backward (HF models; a critic's backbone too)."""
     target = model if hasattr(model, "gradient_checkpointing_enable") else getattr(model, "backbone", None)
     if target is None or not hasattr(target, "gradient_checkpointing_enable"):
-        raise TrainerError(f"trainer.gradient_checkpointing: {type(model).__name__} has no gradient_checkpointing_enable(); "
-                           "use a Hugging Face model or turn it off")
+        raise TrainerError(
+            f"trainer.gradient_checkpointing: {type(model).__name__} has no gradient_checkpointing_enable(); "
+            "use a Hugging Face model or turn it off"
+        )
     kwargs = {"use_reentrant": False}  # non-reentrant: works under DDP/ZeRO and with inputs that need no grad
     if hasattr(target, "activation_checkpointing_enable"):  # transformers >= 5 (the old name is deprecated)
         target.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -191,13 +211,16 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> bool:
 
 
 # --- micro-batches -----------------------------------------------------------------------------
-def split_micro_batches(attention_mask: torch.Tensor, max_tokens: int | None = None,
-                        max_rows: int | None = None, min_parts: int = 1) -> list[np.ndarray]:
+def split_micro_batches(
+    attention_mask: torch.Tensor, max_tokens: int | None = None, max_rows: int | None = None, min_parts: int = 1
+) -> list[np.ndarray]:
     """Contiguous row ranges whose padded size (rows x longest row) stays within `max_tokens` and whose row
     count within `max_rows` (a row longer than the budget is a micro-batch of its own); then the largest
     parts are halved until there are at least `min_parts` (so every rank of a group can run the same number).
     With neither bound: one part, all rows."""
-    lengths = attention_mask.sum(dim=1).cpu().numpy().astype(np.int64) if attention_mask.numel() else np.zeros(0, np.int64)
+    lengths = (
+        attention_mask.sum(dim=1).cpu().numpy().astype(np.int64) if attention_mask.numel() else np.zeros(0, np.int64)
+    )
     n = len(lengths)
     parts: list[np.ndarray] = []
     start = 0
@@ -205,7 +228,9 @@ def split_micro_batches(attention_mask: torch.Tensor, max_tokens: int | None = N
     for i in range(n):
         longest_with = max(longest, int(lengths[i]), 1)
         rows_with = i - start + 1
-        over = (max_tokens is not None and rows_with * longest_with > max_tokens) or (max_rows is not None and rows_with > max_rows)
+        over = (max_tokens is not None and rows_with * longest_with > max_tokens) or (
+            max_rows is not None and rows_with > max_rows
+        )
         if over and i > start:
             parts.append(np.arange(start, i))
             start, longest_with = i, max(int(lengths[i]), 1)
@@ -220,7 +245,7 @@ def split_micro_batches(attention_mask: torch.Tensor, max_tokens: int | None = N
             parts.append(np.arange(0))  # fewer rows than parts: an empty micro-batch (weight 0)
             continue
         half = len(parts[big]) // 2
-        parts[big:big + 1] = [parts[big][:half], parts[big][half:]]
+        parts[big : big + 1] = [parts[big][:half], parts[big][half:]]
     return parts
 
 
@@ -473,7 +498,9 @@ class Trainer(ABC):
             return [torch.zeros(0, T), torch.zeros(0, T)]
         return [torch.cat(col) for col in zip(*outs)]
 
-    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor | None = None):
+    def logprobs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor | None = None
+    ):
         """Per-token log-probabilities and entropies under the current weights (no grad), on the CPU.
 
         With a response_mask, positions outside it are zeroed (and not computed).
@@ -481,7 +508,9 @@ class Trainer(ABC):
         batch = {"input_ids": input_ids, "attention_mask": attention_mask}
         if response_mask is not None:
             batch["mask"] = response_mask
-        logp, ent = self._no_grad_map(batch, lambda b: self._forward_scores(b["input_ids"], b["attention_mask"], b.get("mask")))
+        logp, ent = self._no_grad_map(
+            batch, lambda b: self._forward_scores(b["input_ids"], b["attention_mask"], b.get("mask"))
+        )
         return logp, ent
 
     def outputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -489,7 +518,9 @@ class Trainer(ABC):
         batch = {"input_ids": input_ids, "attention_mask": attention_mask}
         return self._no_grad_map(batch, lambda b: self._forward_logits(b["input_ids"], b["attention_mask"]))[0]
 
-    def train_step(self, batch: dict, loss_fn: LossFn, agg: str | None = "token_mean", mask_key: str = "mask") -> dict[str, float]:
+    def train_step(
+        self, batch: dict, loss_fn: LossFn, agg: str | None = "token_mean", mask_key: str = "mask"
+    ) -> dict[str, float]:
         """One optimizer step on this rank's share of the batch (gradients averaged over the group).
 
         `batch` needs input_ids and attention_mask ([B, T]); everything else is passed through to
@@ -497,13 +528,20 @@ class Trainer(ABC):
         `batch[mask_key]` (token_mean | seq_mean), which sets each micro-batch's weight; log-probs are
         computed only where batch[mask_key] is non-zero (everywhere without one) and are 0 elsewhere.
         """
+
         def loss_on_scores(scores, b):
             return loss_fn(scores[0], scores[1], b)
 
         return self.optimize(batch, loss_on_scores, agg=agg, mask_key=mask_key, scores=True)
 
-    def optimize(self, batch: dict, loss_on_output: Callable, agg: str | None = "token_mean", mask_key: str = "mask",
-                 scores: bool = False) -> dict[str, float]:
+    def optimize(
+        self,
+        batch: dict,
+        loss_on_output: Callable,
+        agg: str | None = "token_mean",
+        mask_key: str = "mask",
+        scores: bool = False,
+    ) -> dict[str, float]:
         """Forward, `loss_on_output(model_output, batch) -> (loss, metrics)`, backward per micro-batch, then
         clip and one optimizer step. Any model works: the policy (output = logits, or (logp, entropy) with
         scores=True) or PPO's critic (output = values)."""
@@ -517,8 +555,10 @@ class Trainer(ABC):
             micro = [(batch, None)]
         else:
             if not self.supports_accumulation:
-                raise TrainerError(f"trainer.backend '{self.cfg.trainer.backend}' does not accumulate gradients over "
-                                   "micro-batches; unset trainer.max_tokens_per_microbatch and trainer.micro_batch_size")
+                raise TrainerError(
+                    f"trainer.backend '{self.cfg.trainer.backend}' does not accumulate gradients over "
+                    "micro-batches; unset trainer.max_tokens_per_microbatch and trainer.micro_batch_size"
+                )
             weights = micro_batch_weights(batch, parts, agg, mask_key)
             micro = [(micro_batch(batch, rows), w) for rows, w in zip(parts, weights)]
         if not self.supports_accumulation:
@@ -539,7 +579,9 @@ class Trainer(ABC):
                 w = 1.0 if w is None else w
                 total_loss += float(loss.detach()) * w
                 for k, v in metrics.items():  # per-micro-batch statistics weighted like the loss; maxima: the max
-                    out[k] = max(out.get(k, float(v)), float(v)) if k.endswith("_max") else out.get(k, 0.0) + float(v) * w
+                    out[k] = (
+                        max(out.get(k, float(v)), float(v)) if k.endswith("_max") else out.get(k, 0.0) + float(v) * w
+                    )
                 del output, loss, b
             grad_norm = self._step()
         self.steps_done += 1

@@ -21,11 +21,17 @@ err = Console(stderr=True, soft_wrap=True)
 def add_config_arguments(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
     """CONFIG positional and the repeatable --set KEY.PATH=VALUE."""
     parser.add_argument(
-        "config", metavar="CONFIG", nargs=None if required else "?",
+        "config",
+        metavar="CONFIG",
+        nargs=None if required else "?",
         help="YAML run config, e.g. configs/quickstart.yaml",
     )
     parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
         help="override one config value (repeatable); VALUE is YAML: --set algorithm.steps=5 --set slurm.modules=[cuda/12]",
     )
 

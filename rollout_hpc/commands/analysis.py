@@ -33,17 +33,32 @@ def _summary_table(summaries: dict[str, dict]) -> Table:
         ("restarts", lambda s: s["restarts"]),
         ("reward mean ± std", lambda s: f"{s['reward']['mean']:.4g} ± {s['reward']['std']:.3g}"),
         ("reward min / max", lambda s: f"{s['reward']['min']:.4g} / {s['reward']['max']:.4g}"),
-        ("reward first → last step", lambda s: f"{s['reward']['first_step_mean']:.4g} → {s['reward']['last_step_mean']:.4g}"),
+        (
+            "reward first → last step",
+            lambda s: f"{s['reward']['first_step_mean']:.4g} → {s['reward']['last_step_mean']:.4g}",
+        ),
         ("reward trend / step", lambda s: f"{s['reward']['trend_per_step']:+.3g}"),
-        ("response length mean (p50/p90/max)", lambda s: "{:.1f} ({:.0f}/{:.0f}/{})".format(
-            s["response_length"]["mean"], s["response_length"]["p50"], s["response_length"]["p90"], s["response_length"]["max"])),
+        (
+            "response length mean (p50/p90/max)",
+            lambda s: "{:.1f} ({:.0f}/{:.0f}/{})".format(
+                s["response_length"]["mean"],
+                s["response_length"]["p50"],
+                s["response_length"]["p90"],
+                s["response_length"]["max"],
+            ),
+        ),
         ("hit max_new_tokens", lambda s: f"{s['response_length']['truncated_fraction']:.1%}"),
         ("KL first → last", lambda s: _first_last(s["kl"])),
         ("entropy first → last", lambda s: _first_last(s["entropy"])),
         ("clip fraction mean", lambda s: f"{s['clip_fraction']['mean']:.3g}" if s["clip_fraction"] else "n/a"),
         ("staleness mean / max", lambda s: f"{s['staleness']['mean']:.2f} / {s['staleness']['max']}"),
-        ("time gen / train / sync / idle", lambda s: " / ".join(
-            f"{s['time_s'][k]:.0f}s" if k in s["time_s"] else "-" for k in ("gen_time", "train_time", "sync_time", "idle_time"))),
+        (
+            "time gen / train / sync / idle",
+            lambda s: " / ".join(
+                f"{s['time_s'][k]:.0f}s" if k in s["time_s"] else "-"
+                for k in ("gen_time", "train_time", "sync_time", "idle_time")
+            ),
+        ),
         ("tokens / s (wall)", lambda s: f"{s['tokens_per_s']:.4g}"),
     ]
     listed = list(summaries.values())
@@ -53,8 +68,14 @@ def _summary_table(summaries: dict[str, dict]) -> Table:
         rows += [
             ("evals", lambda s: len(s["eval"]["step"]) if s.get("eval") else 0),
             ("eval accuracy first → last", lambda s: _first_last(s["eval_accuracy"])),
-            ("eval best (step)", lambda s: f"{s['eval_accuracy']['best']:.4g} (step {s['eval_accuracy']['best_step']})"
-             if s["eval_accuracy"] else "n/a"),
+            (
+                "eval best (step)",
+                lambda s: (
+                    f"{s['eval_accuracy']['best']:.4g} (step {s['eval_accuracy']['best_step']})"
+                    if s["eval_accuracy"]
+                    else "n/a"
+                ),
+            ),
             ("eval pass@k last", lambda s: _last(s["eval"], "pass_at_k")),
         ]
     for label, get in rows:
@@ -175,15 +196,20 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> None:
     run_help = "run directory (or its trajectories.h5)"
-    p = subparsers.add_parser("analyze", help="summary of a run from its trajectory log",
-                              description="Steps, samples, tokens, reward trend, lengths, KL, entropy, staleness, "
-                              "time breakdown, reward errors, the eval curve (validation during training) and "
-                              "warnings, streamed from RUN_DIR/trajectories.h5.")
+    p = subparsers.add_parser(
+        "analyze",
+        help="summary of a run from its trajectory log",
+        description="Steps, samples, tokens, reward trend, lengths, KL, entropy, staleness, "
+        "time breakdown, reward errors, the eval curve (validation during training) and "
+        "warnings, streamed from RUN_DIR/trajectories.h5.",
+    )
     p.add_argument("run_dir", metavar="RUN_DIR", help=run_help)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_analyze)
 
-    p = subparsers.add_parser("plot", help="PNG figures of a run (reward, length, KL/entropy, throughput, staleness, time, eval)")
+    p = subparsers.add_parser(
+        "plot", help="PNG figures of a run (reward, length, KL/entropy, throughput, staleness, time, eval)"
+    )
     p.add_argument("run_dir", metavar="RUN_DIR", help=run_help)
     p.add_argument("--out", metavar="DIR", help="where to write the PNGs (default RUN_DIR/plots)")
     p.set_defaults(func=cmd_plot)
@@ -194,15 +220,22 @@ def register(subparsers) -> None:
     p.add_argument("--prompt", type=int, metavar="ID", help="only trajectories of this prompt id")
     pick = p.add_mutually_exclusive_group()
     for mode in ("best", "worst", "random"):
-        pick.add_argument(f"--{mode}", type=int, metavar="K", help=f"the K {mode} by reward" if mode != "random" else "K at random")
+        pick.add_argument(
+            f"--{mode}", type=int, metavar="K", help=f"the K {mode} by reward" if mode != "random" else "K at random"
+        )
     p.add_argument("--seed", type=int, default=0, help="seed of --random")
     p.set_defaults(func=cmd_samples)
 
     p = subparsers.add_parser("export", help="per-trajectory and per-step tables as Parquet or CSV")
     p.add_argument("run_dir", metavar="RUN_DIR", help=run_help)
     p.add_argument("--format", choices=("parquet", "csv"), default="parquet")
-    p.add_argument("--columns", nargs="+", metavar="COL", help="trajectory columns (default: all fixed ones; "
-                   "add response_ids, prompt_ids, logprobs, loss_mask or turn_starts for token lists, Parquet only)")
+    p.add_argument(
+        "--columns",
+        nargs="+",
+        metavar="COL",
+        help="trajectory columns (default: all fixed ones; "
+        "add response_ids, prompt_ids, logprobs, loss_mask or turn_starts for token lists, Parquet only)",
+    )
     p.add_argument("--out", metavar="DIR", help="output directory (default RUN_DIR/export)")
     p.set_defaults(func=cmd_export)
 

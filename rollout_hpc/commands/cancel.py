@@ -41,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "cancel", help="cancel every job of a run",
+        "cancel",
+        help="cancel every job of a run",
         description="scancel every Slurm job recorded in RUN_DIR/manifest.json (a --chain too), "
         "or stop a local run still going. The run directory stays; resume continues from its last checkpoint.",
         epilog="example:\n  rollout-hpc cancel runs/quickstart",

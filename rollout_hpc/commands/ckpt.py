@@ -15,7 +15,9 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
 
     found = load_latest_valid(args.run_dir, shard=0 if _newest_sharded(args.run_dir) else None)
     if found is None:
-        raise UserError(f"no checkpoints in {checkpoint_dir(args.run_dir)}; a run writes them every checkpoint.every_steps steps")
+        raise UserError(
+            f"no checkpoints in {checkpoint_dir(args.run_dir)}; a run writes them every checkpoint.every_steps steps"
+        )
     path, state, meta = found
     info = {
         "step": meta.get("step"),
@@ -25,7 +27,9 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         "content_checksum": meta.get("content_checksum"),
         "config_digest": meta.get("config_digest"),
         "created": meta.get("created"),
-        "checkpoints": [{"step": c.step, "path": str(c.path), "sharded": c.sharded} for c in list_checkpoints(args.run_dir)],
+        "checkpoints": [
+            {"step": c.step, "path": str(c.path), "sharded": c.sharded} for c in list_checkpoints(args.run_dir)
+        ],
     }
     if args.json:
         print(json.dumps(info, indent=2))
@@ -46,8 +50,11 @@ def _newest_sharded(run_dir) -> bool:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("ckpt", help="the newest valid checkpoint of a run: step, policy version, weights SHA-256",
-                              description="Verifies checkpoints newest first (a damaged one is reported and skipped).")
+    p = subparsers.add_parser(
+        "ckpt",
+        help="the newest valid checkpoint of a run: step, policy version, weights SHA-256",
+        description="Verifies checkpoints newest first (a damaged one is reported and skipped).",
+    )
     p.add_argument("run_dir", metavar="RUN_DIR", help="run directory")
     p.add_argument("--json", action="store_true", help="print as JSON")
     p.set_defaults(func=cmd_ckpt)

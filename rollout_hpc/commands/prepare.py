@@ -24,7 +24,9 @@ def _tasks_per_node(spec: str) -> int:
     """SLURM_TASKS_PER_NODE style '2(x3)' or '2' -> 2; uneven layouts ('2(x2),1') are refused."""
     counts = {int(m.group(1)) for m in re.finditer(r"(\d+)(?:\(x\d+\))?", spec)}
     if len(counts) != 1:
-        raise UserError(f"the allocation has uneven tasks per node ({spec}); use --ntasks-per-node in the #SBATCH lines")
+        raise UserError(
+            f"the allocation has uneven tasks per node ({spec}); use --ntasks-per-node in the #SBATCH lines"
+        )
     return counts.pop()
 
 
@@ -38,7 +40,9 @@ def allocation_layout(env: dict[str, str] = os.environ) -> list[str]:
     overrides = []
     for index, group in enumerate(GROUPS):
         nodes = env.get(f"SLURM_JOB_NUM_NODES_HET_GROUP_{index}") or env.get(f"SLURM_NNODES_HET_GROUP_{index}")
-        per_node = env.get(f"SLURM_NTASKS_PER_NODE_HET_GROUP_{index}") or env.get(f"SLURM_TASKS_PER_NODE_HET_GROUP_{index}")
+        per_node = env.get(f"SLURM_NTASKS_PER_NODE_HET_GROUP_{index}") or env.get(
+            f"SLURM_TASKS_PER_NODE_HET_GROUP_{index}"
+        )
         if not nodes or not per_node:
             raise UserError(f"Slurm did not say the size of het group {index} ({group}s); is this a Slurm job?")
         overrides += [f"{group}.nodes={int(nodes)}", f"{group}.tasks_per_node={_tasks_per_node(per_node)}"]
@@ -75,12 +79,17 @@ def run(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "prepare", help="(used by slurm/rollout.sbatch) make or reuse a run directory inside a job",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "prepare",
+        help="(used by slurm/rollout.sbatch) make or reuse a run directory inside a job",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_arguments(p)
     p.add_argument("--run-dir", metavar="DIR", help="run directory (default: run.dir or runs/<run.name>)")
-    p.add_argument("--from-allocation", action="store_true",
-                   help="take each group's nodes and tasks per node from the Slurm het allocation")
+    p.add_argument(
+        "--from-allocation",
+        action="store_true",
+        help="take each group's nodes and tasks per node from the Slurm het allocation",
+    )
     p.add_argument("--script", metavar="FILE", help="job script to keep as RUN_DIR/job.sbatch")
     p.set_defaults(func=run)

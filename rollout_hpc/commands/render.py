@@ -24,7 +24,8 @@ def run(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "render", help="print the sbatch script for a config (nothing is created or submitted)",
+        "render",
+        help="print the sbatch script for a config (nothing is created or submitted)",
         description="Render slurm/directives.j2 over slurm/rollout.sbatch with the config's values: the exact "
         "job script `rollout-hpc submit` would write to RUN_DIR/job.sbatch.",
         epilog="examples:\n  rollout-hpc render configs/hello.yaml\n"

@@ -14,8 +14,9 @@ from rollout_hpc.launch.submit import resolve_launcher, sbatch
 
 
 def run(args: argparse.Namespace) -> int:
-    plan = plan_resume(args.run_dir, args.overrides, force=args.force, dry_run=args.dry_run,
-                       from_scratch=args.from_scratch)
+    plan = plan_resume(
+        args.run_dir, args.overrides, force=args.force, dry_run=args.dry_run, from_scratch=args.from_scratch
+    )
     launcher = resolve_launcher(plan.cfg, force_local=args.local)
     if launcher == "local":
         require_mpirun()
@@ -23,8 +24,11 @@ def run(args: argparse.Namespace) -> int:
         err.print(line, markup=False, highlight=False)
     _describe(plan)
     if plan.finished:
-        out.print(f"the run already did all {plan.cfg.algorithm.steps} steps (algorithm.steps); nothing to resume. "
-                  f"To train longer: rollout-hpc resume {plan.run_dir} --set algorithm.steps=N", markup=False)
+        out.print(
+            f"the run already did all {plan.cfg.algorithm.steps} steps (algorithm.steps); nothing to resume. "
+            f"To train longer: rollout-hpc resume {plan.run_dir} --set algorithm.steps=N",
+            markup=False,
+        )
         return 0
     if args.dry_run:
         out.print(f"dry run: nothing launched ({launcher})")
@@ -48,8 +52,10 @@ def _describe(plan: ResumePlan) -> None:
     if plan.checkpoint is None:
         out.print(f"no checkpoint in {plan.run_dir} yet: starting from step 0 of {steps}", markup=False)
     else:
-        out.print(f"resuming from {plan.checkpoint.name}: step {plan.step} of {steps}, policy version {plan.policy_version}",
-                  markup=False)
+        out.print(
+            f"resuming from {plan.checkpoint.name}: step {plan.step} of {steps}, policy version {plan.policy_version}",
+            markup=False,
+        )
     if plan.config_changes:
         label = "--force: loading it despite config changes" if plan.force else "config changes since the checkpoint"
         out.print(f"{label}: {'; '.join(plan.config_changes)}", markup=False, highlight=False)
@@ -57,7 +63,8 @@ def _describe(plan: ResumePlan) -> None:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "resume", help="continue a run from its newest valid checkpoint (new Slurm job, or --local here)",
+        "resume",
+        help="continue a run from its newest valid checkpoint (new Slurm job, or --local here)",
         description="Continue the run in RUN_DIR from its newest checkpoint that verifies (a damaged newer one is "
         "reported and moved aside). Submits RUN_DIR/job.sbatch as a new Slurm job (recorded in manifest.json), or "
         "with --local runs the same rank layout here under mpirun, in the foreground. A checkpoint written under a "
@@ -71,11 +78,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory made by `rollout-hpc submit`")
     p.add_argument("--local", action="store_true", help="run here under mpirun instead of submitting to Slurm")
-    p.add_argument("--force", action="store_true",
-                   help="load the checkpoint even if the model or algorithm config changed (the changes are listed)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
-                   help="change one config value for this and later allocations (repeatable; VALUE is YAML)")
-    p.add_argument("--from-scratch", action="store_true",
-                   help="with no valid checkpoint left, start again at step 0 (the old trajectory log is kept aside)")
-    p.add_argument("--dry-run", action="store_true", help="say which checkpoint and config would be used; launch nothing")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="load the checkpoint even if the model or algorithm config changed (the changes are listed)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="change one config value for this and later allocations (repeatable; VALUE is YAML)",
+    )
+    p.add_argument(
+        "--from-scratch",
+        action="store_true",
+        help="with no valid checkpoint left, start again at step 0 (the old trajectory log is kept aside)",
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="say which checkpoint and config would be used; launch nothing"
+    )
     p.set_defaults(func=run)

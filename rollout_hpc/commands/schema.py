@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "schema", help="list the config keys (types, defaults, meaning)",
+        "schema",
+        help="list the config keys (types, defaults, meaning)",
         description="List every config key with its type, default and meaning, or print the JSON schema "
         "(for editors) or a complete config of defaults (a starting point).",
         epilog="examples:\n  rollout-hpc schema\n  rollout-hpc schema slurm\n"
@@ -68,6 +69,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("section", nargs="?", help="only this section (run, model, algorithm, slurm, ...)")
-    p.add_argument("--format", choices=("table", "json", "defaults"), default="table",
-                   help="table (default), json (JSON schema) or defaults (YAML of all defaults)")
+    p.add_argument(
+        "--format",
+        choices=("table", "json", "defaults"),
+        default="table",
+        help="table (default), json (JSON schema) or defaults (YAML of all defaults)",
+    )
     p.set_defaults(func=run)

@@ -19,12 +19,24 @@ def run(args: argparse.Namespace) -> int:
     jobs = [{"job_id": j, "components": [c.to_dict() for c in job_states(j)]} for j in manifest.get("job_ids", [])]
     local = [dict(r, state=local_state(r)) for r in manifest.get("local_runs", [])]
     if args.json:
-        print(json.dumps({"run_dir": str(run_dir.resolve()), "name": manifest.get("name"),
-                          "launcher": manifest.get("launcher"), "dry_run": manifest.get("dry_run"),
-                          "jobs": jobs, "local_runs": local}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "run_dir": str(run_dir.resolve()),
+                    "name": manifest.get("name"),
+                    "launcher": manifest.get("launcher"),
+                    "dry_run": manifest.get("dry_run"),
+                    "jobs": jobs,
+                    "local_runs": local,
+                },
+                indent=2,
+            )
+        )
         return 0
-    out.print(f"run [bold]{manifest.get('name')}[/] in {run_dir.resolve()}  (launcher {manifest.get('launcher')}, "
-              f"created {manifest.get('created')})")
+    out.print(
+        f"run [bold]{manifest.get('name')}[/] in {run_dir.resolve()}  (launcher {manifest.get('launcher')}, "
+        f"created {manifest.get('created')})"
+    )
     if manifest.get("dry_run"):
         out.print(f"dry run: nothing submitted; the job script is {run_dir / rundir.JOB_SCRIPT}")
     if jobs:
@@ -36,14 +48,17 @@ def run(args: argparse.Namespace) -> int:
                 table.add_row(c["job_id"], c["role"], c["state"], c["nodes"], c["restarts"], c["reason"])
         out.print(table)
     for i, record in enumerate(local):
-        out.print(f"local run {i}: {record['state']}, started {record.get('started')}, pid {record.get('pid')}, "
-                  f"log {record.get('log')}")
+        out.print(
+            f"local run {i}: {record['state']}, started {record.get('started')}, pid {record.get('pid')}, "
+            f"log {record.get('log')}"
+        )
     return 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "status", help="show the state of a run's jobs (each het component: state, nodes, restarts)",
+        "status",
+        help="show the state of a run's jobs (each het component: state, nodes, restarts)",
         description="Read RUN_DIR/manifest.json and ask Slurm about every job of the run (scontrol, then sacct).",
         epilog="examples:\n  rollout-hpc status runs/quickstart\n  rollout-hpc status runs/big --json | jq .jobs",
         formatter_class=argparse.RawDescriptionHelpFormatter,

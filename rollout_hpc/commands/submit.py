@@ -22,7 +22,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--chain queues dependent Slurm jobs; it has no meaning with the local launcher (--local)")
     run_dir = Path(args.run_dir) if args.run_dir else None
     if launcher == "slurm":
-        sub = submit_slurm(cfg, config_path(args), args.overrides, dry_run=args.dry_run, chain=args.chain, run_dir=run_dir)
+        sub = submit_slurm(
+            cfg, config_path(args), args.overrides, dry_run=args.dry_run, chain=args.chain, run_dir=run_dir
+        )
         out.print(f"run directory: {sub.run_dir}")
         if sub.dry_run:
             out.print(f"dry run: job script {sub.script} (not submitted; `sbatch {sub.script}` would submit it)")
@@ -33,8 +35,13 @@ def run(args: argparse.Namespace) -> int:
 
     require_mpirun()  # before anything is created
     run_dir = rundir.create_run_dir(
-        run_dir or cfg.run.resolved_dir(), cfg, config_path(args),
-        launcher="local", script=None, overrides=args.overrides, dry_run=args.dry_run,
+        run_dir or cfg.run.resolved_dir(),
+        cfg,
+        config_path(args),
+        launcher="local",
+        script=None,
+        overrides=args.overrides,
+        dry_run=args.dry_run,
     )
     command = record_mpirun_command(cfg, run_dir)
     out.print(f"run directory: {run_dir}")
@@ -46,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "submit", help="create a run directory and submit the run (Slurm), or run it here (mpirun)",
+        "submit",
+        help="create a run directory and submit the run (Slurm), or run it here (mpirun)",
         description="Validate CONFIG, create its run directory (config snapshot, resolved config, job script, "
         "manifest) and submit a heterogeneous Slurm job: component 0 = generator nodes, component 1 = trainer "
         "nodes, one MPI world. With --local (or launcher: local, or no sbatch on PATH with launcher: auto) the "
@@ -60,8 +68,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_config_arguments(p)
     p.add_argument("--dry-run", action="store_true", help="create the run directory and job script, but submit nothing")
     p.add_argument("--local", action="store_true", help="run here under mpirun instead of Slurm")
-    p.add_argument("--chain", type=int, default=0, metavar="K",
-                   help="also queue K jobs, each starting after the previous ends (--dependency=afterany), "
-                   "to continue a run longer than one allocation")
+    p.add_argument(
+        "--chain",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also queue K jobs, each starting after the previous ends (--dependency=afterany), "
+        "to continue a run longer than one allocation",
+    )
     p.add_argument("--run-dir", metavar="DIR", help="run directory (default: run.dir or runs/<run.name>)")
     p.set_defaults(func=run)

@@ -19,8 +19,15 @@ def summary_table(cfg: Config) -> Table:
         table.add_column(column)
     for name in ("generator", "trainer"):
         g = getattr(cfg, name)
-        table.add_row(name, str(g.nodes), str(g.tasks_per_node), str(g.ranks), str(g.gpus_per_task),
-                      str(g.cpus_per_task), g.backend)
+        table.add_row(
+            name,
+            str(g.nodes),
+            str(g.tasks_per_node),
+            str(g.ranks),
+            str(g.gpus_per_task),
+            str(g.cpus_per_task),
+            g.backend,
+        )
     return table
 
 
@@ -42,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "validate", help="check a config file and show the job it describes",
+        "validate",
+        help="check a config file and show the job it describes",
         description="Check a config (types, unknown keys, feasibility) with --set overrides applied; "
         "exit 0 when valid, 2 with the field, line and fix otherwise.",
         epilog="examples:\n  rollout-hpc validate configs/quickstart.yaml\n"

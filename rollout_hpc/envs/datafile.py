@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -31,8 +32,10 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
-_FORMATS_HELP = (".jsonl / .json (JSON lines or a JSON array of objects), .parquet, .arrow, a directory written by "
-                 "datasets' save_to_disk, or a directory of *.parquet / *.jsonl shards")
+_FORMATS_HELP = (
+    ".jsonl / .json (JSON lines or a JSON array of objects), .parquet, .arrow, a directory written by "
+    "datasets' save_to_disk, or a directory of *.parquet / *.jsonl shards"
+)
 _SPLIT_TAG = (1 << 32) + 0x5B1  # seeds split_rows' generator apart from the per-epoch shuffles [seed, epoch]
 
 
@@ -54,8 +57,10 @@ def read_table(path: str | Path) -> pa.Table:
         return _read_parquet(p)
     if suffix in ARROW_SUFFIXES:
         return _read_arrow_any(p)
-    raise DatasetError(f"dataset file {p} has an unknown extension '{p.suffix}'; use {_FORMATS_HELP} "
-                       "(convert other formats first, e.g. with pandas: df.to_parquet('data.parquet'))")
+    raise DatasetError(
+        f"dataset file {p} has an unknown extension '{p.suffix}'; use {_FORMATS_HELP} "
+        "(convert other formats first, e.g. with pandas: df.to_parquet('data.parquet'))"
+    )
 
 
 def _suffix(p: Path) -> str:
@@ -66,18 +71,25 @@ def _read_dir(p: Path) -> pa.Table:
     if (p / "dataset_dict.json").exists():
         splits = sorted(d.name for d in p.iterdir() if d.is_dir())
         example = p / ("train" if "train" in splits or not splits else splits[0])
-        raise DatasetError(f"dataset directory {p} holds a DatasetDict (splits: {', '.join(splits) or 'none'}); "
-                           f"point at one split, e.g. {example}")
+        raise DatasetError(
+            f"dataset directory {p} holds a DatasetDict (splits: {', '.join(splits) or 'none'}); "
+            f"point at one split, e.g. {example}"
+        )
     if (p / "state.json").exists():
         return _read_save_to_disk(p)
     files = sorted(f for f in p.iterdir() if f.is_file() and not f.name.startswith("."))
-    for suffixes, reader in ((PARQUET_SUFFIXES, _read_parquet), (JSON_SUFFIXES, _read_json),
-                             (ARROW_SUFFIXES, _read_arrow_any)):
+    for suffixes, reader in (
+        (PARQUET_SUFFIXES, _read_parquet),
+        (JSON_SUFFIXES, _read_json),
+        (ARROW_SUFFIXES, _read_arrow_any),
+    ):
         shards = [f for f in files if _suffix(f) in suffixes]
         if shards:
             return _concat([reader(f) for f in shards], p, [f.name for f in shards])
-    raise DatasetError(f"dataset directory {p} has no state.json (datasets' save_to_disk layout) and no *.parquet, "
-                       f"*.jsonl/*.json or *.arrow shards; point the dataset path at a {_FORMATS_HELP}")
+    raise DatasetError(
+        f"dataset directory {p} has no state.json (datasets' save_to_disk layout) and no *.parquet, "
+        f"*.jsonl/*.json or *.arrow shards; point the dataset path at a {_FORMATS_HELP}"
+    )
 
 
 def _read_save_to_disk(p: Path) -> pa.Table:
@@ -85,20 +97,27 @@ def _read_save_to_disk(p: Path) -> pa.Table:
         state = json.loads((p / "state.json").read_text())
         names = [f["filename"] for f in state["_data_files"]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise DatasetError(f"dataset directory {p}: state.json is not a datasets save_to_disk state ({exc}); "
-                           "write it again with Dataset.save_to_disk(dir)") from None
+        raise DatasetError(
+            f"dataset directory {p}: state.json is not a datasets save_to_disk state ({exc}); "
+            "write it again with Dataset.save_to_disk(dir)"
+        ) from None
     if not names:
-        raise DatasetError(f"dataset directory {p}: state.json lists no data files; write it again with "
-                           "Dataset.save_to_disk(dir)")
+        raise DatasetError(
+            f"dataset directory {p}: state.json lists no data files; write it again with Dataset.save_to_disk(dir)"
+        )
     if state.get("_indices_data_files"):
-        raise DatasetError(f"dataset directory {p} stores an indices mapping (a select/shuffle not flattened); "
-                           "write it again after dataset.flatten_indices()")
+        raise DatasetError(
+            f"dataset directory {p} stores an indices mapping (a select/shuffle not flattened); "
+            "write it again after dataset.flatten_indices()"
+        )
     tables = []
     for name in names:
         f = p / name
         if not f.is_file():
-            raise DatasetError(f"dataset directory {p}: data file {name} listed in state.json is missing; "
-                               "copy the whole directory or write it again with Dataset.save_to_disk(dir)")
+            raise DatasetError(
+                f"dataset directory {p}: data file {name} listed in state.json is missing; "
+                "copy the whole directory or write it again with Dataset.save_to_disk(dir)"
+            )
         tables.append(_read_arrow_any(f))
     return _concat(tables, p, names)
 
@@ -116,8 +135,10 @@ def _read_arrow_any(f: Path) -> pa.Table:
             return opener(source).read_all()
         except (pa.ArrowInvalid, OSError) as exc:
             errors.append(str(exc))
-    raise DatasetError(f"dataset file {f} is not an Arrow IPC stream or file ({errors[-1]}); "
-                       "write it again (Dataset.save_to_disk or pyarrow.ipc)")
+    raise DatasetError(
+        f"dataset file {f} is not an Arrow IPC stream or file ({errors[-1]}); "
+        "write it again (Dataset.save_to_disk or pyarrow.ipc)"
+    )
 
 
 def _read_parquet(f: Path) -> pa.Table:
@@ -126,8 +147,10 @@ def _read_parquet(f: Path) -> pa.Table:
     try:
         return pq.read_table(str(f))
     except (pa.ArrowException, OSError) as exc:
-        raise DatasetError(f"dataset file {f} is not a readable Parquet file ({exc}); write it again, e.g. "
-                           "pyarrow.parquet.write_table(table, path) or df.to_parquet(path)") from None
+        raise DatasetError(
+            f"dataset file {f} is not a readable Parquet file ({exc}); write it again, e.g. "
+            "pyarrow.parquet.write_table(table, path) or df.to_parquet(path)"
+        ) from None
 
 
 def _read_json(f: Path) -> pa.Table:
@@ -141,15 +164,21 @@ def _read_json(f: Path) -> pa.Table:
         try:
             records = json.loads(f.read_text(encoding="utf-8-sig"))
         except (ValueError, UnicodeDecodeError) as exc:
-            raise DatasetError(f"dataset file {f} starts with '[' but is not valid JSON ({exc}); write a JSON array "
-                               "of objects, or one JSON object per line (.jsonl)") from None
+            raise DatasetError(
+                f"dataset file {f} starts with '[' but is not valid JSON ({exc}); write a JSON array "
+                "of objects, or one JSON object per line (.jsonl)"
+            ) from None
         if not isinstance(records, list):
-            raise DatasetError(f"dataset file {f} is not a JSON array of objects; write [{{\"prompt\": ...}}, ...] "
-                               "or one JSON object per line (.jsonl)")
+            raise DatasetError(
+                f'dataset file {f} is not a JSON array of objects; write [{{"prompt": ...}}, ...] '
+                "or one JSON object per line (.jsonl)"
+            )
         return _table_from_records(records, f, "element")
     if not head.startswith(b"{"):
-        raise DatasetError(f"dataset file {f} is neither JSON lines (one object per line) nor a JSON array of "
-                           f"objects (it starts with {head[:20]!r}); write one {{\"prompt\": ...}} object per line")
+        raise DatasetError(
+            f"dataset file {f} is neither JSON lines (one object per line) nor a JSON array of "
+            f'objects (it starts with {head[:20]!r}); write one {{"prompt": ...}} object per line'
+        )
     import pyarrow.json as pj
 
     try:  # fast path: Arrow's multithreaded JSON-lines reader
@@ -167,8 +196,9 @@ def _read_json(f: Path) -> pa.Table:
             try:
                 records.append(json.loads(line))
             except ValueError as exc:
-                raise DatasetError(f"dataset file {f}: line {lineno} is not valid JSON ({exc}); each line must be "
-                                   "one JSON object") from None
+                raise DatasetError(
+                    f"dataset file {f}: line {lineno} is not valid JSON ({exc}); each line must be one JSON object"
+                ) from None
     return _table_from_records(records, f, "line")
 
 
@@ -201,8 +231,10 @@ def _table_from_records(records: Sequence[Any], f: Path, unit: str) -> pa.Table:
     keys: dict[str, None] = {}
     for i, r in enumerate(records):
         if not isinstance(r, dict):
-            raise DatasetError(f"dataset file {f}: row {i} is {_kind(r)} ({_short(r)}), not an object; every "
-                               f"{unit} must be a JSON object like {{\"prompt\": ..., \"answer\": ...}}")
+            raise DatasetError(
+                f"dataset file {f}: row {i} is {_kind(r)} ({_short(r)}), not an object; every "
+                f'{unit} must be a JSON object like {{"prompt": ..., "answer": ...}}'
+            )
         for k in r:
             keys.setdefault(k, None)
     columns = {}
@@ -220,8 +252,9 @@ def _mixed_column_message(f: Path, key: str, values: list, exc: Exception) -> st
     bad = None
     if first is not None:
         kind0 = _kind(values[first])
-        bad = next((i for i in range(first + 1, len(values))
-                    if values[i] is not None and _kind(values[i]) != kind0), None)
+        bad = next(
+            (i for i in range(first + 1, len(values)) if values[i] is not None and _kind(values[i]) != kind0), None
+        )
         if bad is None:  # same kind, incompatible inside (e.g. nested lists): find the first row Arrow refuses
             for i in range(first + 1, len(values)):
                 try:
@@ -233,11 +266,13 @@ def _mixed_column_message(f: Path, key: str, values: list, exc: Exception) -> st
         return f"dataset file {f}: column '{key}' cannot be stored as one Arrow column ({exc})"
     hint = ""
     if {_kind(values[first]), _kind(values[bad])} == {"a string", "a number"}:
-        hint = " (to mix numbers and text, write the numbers as strings: \"7\")"
-    return (f"dataset file {f}: column '{key}' row {bad} holds {_kind(values[bad])} ({_short(values[bad])}) but row "
-            f"{first} holds {_kind(values[first])}; every row of a column must hold the same kind of value{hint}: "
-            "prompts are strings or lists of {\"role\", \"content\"} messages, answers strings, numbers or lists "
-            "of them")
+        hint = ' (to mix numbers and text, write the numbers as strings: "7")'
+    return (
+        f"dataset file {f}: column '{key}' row {bad} holds {_kind(values[bad])} ({_short(values[bad])}) but row "
+        f"{first} holds {_kind(values[first])}; every row of a column must hold the same kind of value{hint}: "
+        'prompts are strings or lists of {"role", "content"} messages, answers strings, numbers or lists '
+        "of them"
+    )
 
 
 def _concat(tables: list[pa.Table], where: Path, names: list[str]) -> pa.Table:
@@ -249,8 +284,10 @@ def _concat(tables: list[pa.Table], where: Path, names: list[str]) -> pa.Table:
     try:
         return pa.concat_tables(tables, promote_options="permissive")
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
-        raise DatasetError(f"dataset {where}: the shards {', '.join(names)} do not share one schema ({exc}); "
-                           "give every shard the same columns with the same types") from None
+        raise DatasetError(
+            f"dataset {where}: the shards {', '.join(names)} do not share one schema ({exc}); "
+            "give every shard the same columns with the same types"
+        ) from None
 
 
 def _short(v: Any, n: int = 60) -> str:
@@ -269,8 +306,13 @@ def _is_stringish(t: pa.DataType) -> bool:
 
 
 def _is_listish(t: pa.DataType) -> bool:
-    return (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
-            or getattr(pa.types, "is_list_view", bool)(t) or getattr(pa.types, "is_large_list_view", bool)(t))
+    return (
+        pa.types.is_list(t)
+        or pa.types.is_large_list(t)
+        or pa.types.is_fixed_size_list(t)
+        or getattr(pa.types, "is_list_view", bool)(t)
+        or getattr(pa.types, "is_large_list_view", bool)(t)
+    )
 
 
 def _is_number(t: pa.DataType) -> bool:
@@ -289,8 +331,13 @@ def _row_value(col: pa.ChunkedArray, i: int) -> Any:
     return col.slice(i, 1).to_pylist()[0]
 
 
-def check_table(table: pa.Table, path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer",
-                require_answer: bool = True) -> None:
+def check_table(
+    table: pa.Table,
+    path: str | Path,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    require_answer: bool = True,
+) -> None:
     """Raise DatasetError unless the table has rows, a prompt column of strings or chat messages and (when
     required) an answer column of strings, numbers or lists of them without nulls. Vectorized: a few million
     rows take well under a second; per-row work happens only to describe the first bad row."""
@@ -299,21 +346,25 @@ def check_table(table: pa.Table, path: str | Path, prompt_key: str = "prompt", a
         raise DatasetError(f"{where} has no rows; give it one record per prompt (e.g. one JSON object per line)")
     names = table.column_names
     if prompt_key not in names:
-        raise DatasetError(f"{where} has no column '{prompt_key}' (its columns: {', '.join(names) or 'none'}); "
-                           "set prompt_key to the column that holds the prompts")
+        raise DatasetError(
+            f"{where} has no column '{prompt_key}' (its columns: {', '.join(names) or 'none'}); "
+            "set prompt_key to the column that holds the prompts"
+        )
     _check_prompts(table.column(prompt_key), prompt_key, where)
     if answer_key not in names:
         if require_answer:
-            raise DatasetError(f"{where} has no column '{answer_key}' (its columns: {', '.join(names)}); set "
-                               "answer_key to the column that holds the answers (or use a reward "
-                               "that needs no answer)")
+            raise DatasetError(
+                f"{where} has no column '{answer_key}' (its columns: {', '.join(names)}); set "
+                "answer_key to the column that holds the answers (or use a reward "
+                "that needs no answer)"
+            )
         return
     _check_answers(table.column(answer_key), answer_key, where, require_answer)
 
 
 def _check_prompts(col: pa.ChunkedArray, key: str, where: str) -> None:
     t = col.type
-    expected = "a string or a list of {\"role\", \"content\"} chat messages"
+    expected = 'a string or a list of {"role", "content"} chat messages'
     if _is_stringish(t):
         bad = _first_true(pc.is_null(col))
         if bad is not None:
@@ -323,8 +374,9 @@ def _check_prompts(col: pa.ChunkedArray, key: str, where: str) -> None:
         bad = _first_true(pc.is_valid(col))
         if bad is None:
             bad = 0
-        raise DatasetError(f"{where}: row {bad} holds {_short(_row_value(col, bad))} ({t}) in '{key}'; a prompt "
-                           f"must be {expected}")
+        raise DatasetError(
+            f"{where}: row {bad} holds {_short(_row_value(col, bad))} ({t}) in '{key}'; a prompt must be {expected}"
+        )
     # chat messages: list<struct<role, content, ...>>
     bad = _first_true(pc.is_null(col))
     if bad is not None:
@@ -332,18 +384,24 @@ def _check_prompts(col: pa.ChunkedArray, key: str, where: str) -> None:
     lengths = pc.list_value_length(col)
     bad = _first_true(pc.equal(lengths, 0))
     if bad is not None:
-        raise DatasetError(f"{where}: row {bad} has an empty message list in '{key}'; a chat prompt needs at least "
-                           "one {\"role\": \"user\", \"content\": ...} message")
+        raise DatasetError(
+            f"{where}: row {bad} has an empty message list in '{key}'; a chat prompt needs at least "
+            'one {"role": "user", "content": ...} message'
+        )
     st = t.value_type
     fields = {st.field(j).name: st.field(j).type for j in range(st.num_fields)}
     for name in ("role", "content"):
         if name not in fields:
-            raise DatasetError(f"{where}: row 0 message 0 of '{key}' has no '{name}' (the messages have only "
-                               f"{', '.join(fields) or 'no keys'}); every message needs a 'role' ("
-                               f"{'/'.join(CHAT_ROLES)}) and a string 'content'")
+            raise DatasetError(
+                f"{where}: row 0 message 0 of '{key}' has no '{name}' (the messages have only "
+                f"{', '.join(fields) or 'no keys'}); every message needs a 'role' ("
+                f"{'/'.join(CHAT_ROLES)}) and a string 'content'"
+            )
         if not (_is_stringish(fields[name]) or pa.types.is_null(fields[name])):
-            raise DatasetError(f"{where}: the messages' '{name}' in '{key}' holds {fields[name]} values, not strings; "
-                               f"every message needs a 'role' ({'/'.join(CHAT_ROLES)}) and a string 'content'")
+            raise DatasetError(
+                f"{where}: the messages' '{name}' in '{key}' holds {fields[name]} values, not strings; "
+                f"every message needs a 'role' ({'/'.join(CHAT_ROLES)}) and a string 'content'"
+            )
     flat = pc.list_flatten(col)
     roles, contents = pc.struct_field(flat, "role"), pc.struct_field(flat, "content")
     ends = np.cumsum(pc.list_value_length(col).to_numpy(zero_copy_only=False), dtype=np.int64)
@@ -357,40 +415,55 @@ def _check_prompts(col: pa.ChunkedArray, key: str, where: str) -> None:
         k = _first_true(pc.is_null(values))
         if k is not None:
             row, m = at(k)
-            raise DatasetError(f"{where}: row {row} message {m} of '{key}' has no '{name}' (it holds "
-                               f"{_short(_row_value(col, row)[m])}); every message needs a 'role' "
-                               f"({'/'.join(CHAT_ROLES)}) and a string 'content'")
+            raise DatasetError(
+                f"{where}: row {row} message {m} of '{key}' has no '{name}' (it holds "
+                f"{_short(_row_value(col, row)[m])}); every message needs a 'role' "
+                f"({'/'.join(CHAT_ROLES)}) and a string 'content'"
+            )
     k = _first_true(pc.invert(pc.is_in(roles, value_set=pa.array(CHAT_ROLES))))
     if k is not None:
         row, m = at(k)
-        raise DatasetError(f"{where}: row {row} message {m} of '{key}' has role {_row_value(col, row)[m]['role']!r}; "
-                           f"roles are {', '.join(CHAT_ROLES)}")
+        raise DatasetError(
+            f"{where}: row {row} message {m} of '{key}' has role {_row_value(col, row)[m]['role']!r}; "
+            f"roles are {', '.join(CHAT_ROLES)}"
+        )
     is_user = pc.equal(roles, "user").to_numpy(zero_copy_only=False)
     users_before = np.concatenate([[0], np.cumsum(is_user, dtype=np.int64)])
     missing = np.flatnonzero(users_before[ends] == users_before[starts])
     if missing.size:
         row = int(missing[0])
-        raise DatasetError(f"{where}: row {row} of '{key}' has no user message (roles: "
-                           f"{[m['role'] for m in _row_value(col, row)]}); a chat prompt needs a "
-                           "{\"role\": \"user\", \"content\": ...} message")
+        raise DatasetError(
+            f"{where}: row {row} of '{key}' has no user message (roles: "
+            f"{[m['role'] for m in _row_value(col, row)]}); a chat prompt needs a "
+            '{"role": "user", "content": ...} message'
+        )
 
 
 def _check_answers(col: pa.ChunkedArray, key: str, where: str, require_answer: bool) -> None:
     t = col.type
-    ok = (_is_stringish(t) or _is_number(t) or pa.types.is_null(t)
-          or (_is_listish(t) and (_is_stringish(t.value_type) or _is_number(t.value_type)
-                                  or pa.types.is_null(t.value_type))))
+    ok = (
+        _is_stringish(t)
+        or _is_number(t)
+        or pa.types.is_null(t)
+        or (
+            _is_listish(t)
+            and (_is_stringish(t.value_type) or _is_number(t.value_type) or pa.types.is_null(t.value_type))
+        )
+    )
     if not ok:
         bad = _first_true(pc.is_valid(col))
         bad = 0 if bad is None else bad
-        raise DatasetError(f"{where}: row {bad} holds {_short(_row_value(col, bad))} ({t}) in '{key}'; an answer "
-                           "must be a string, a number, or a list of them (store structured answers as a JSON "
-                           "string, or in another column: other columns reach the reward as prompt.meta)")
+        raise DatasetError(
+            f"{where}: row {bad} holds {_short(_row_value(col, bad))} ({t}) in '{key}'; an answer "
+            "must be a string, a number, or a list of them (store structured answers as a JSON "
+            "string, or in another column: other columns reach the reward as prompt.meta)"
+        )
     if require_answer:
         bad = _first_true(pc.is_null(col))
         if bad is not None:
-            raise DatasetError(f"{where}: row {bad} has no answer ('{key}' is null); give every row an answer, or "
-                               "drop those rows")
+            raise DatasetError(
+                f"{where}: row {bad} has no answer ('{key}' is null); give every row an answer, or drop those rows"
+            )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -439,13 +512,14 @@ def open_arrow(path: str | Path) -> pa.Table:
     try:
         source = pa.memory_map(str(p), "r")
     except (OSError, pa.ArrowException) as exc:
-        raise DatasetError(f"prepared dataset {p} cannot be opened ({exc}); prepare it again "
-                           "(write_arrow)") from None
+        raise DatasetError(f"prepared dataset {p} cannot be opened ({exc}); prepare it again (write_arrow)") from None
     try:
         return ipc.open_file(source).read_all()
     except (pa.ArrowInvalid, OSError) as exc:
-        raise DatasetError(f"prepared dataset {p} is not a complete Arrow IPC file ({exc}); delete it and "
-                           "prepare it again (write_arrow)") from None
+        raise DatasetError(
+            f"prepared dataset {p} is not a complete Arrow IPC file ({exc}); delete it and "
+            "prepare it again (write_arrow)"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -477,11 +551,19 @@ class PromptRows:
     """Random access to prompts of a table: rows[i] -> Prompt. Reads one row at a time (nothing is
     converted up front), so a memory-mapped table stays mostly on disk."""
 
-    def __init__(self, table: pa.Table, prompt_key: str = "prompt", answer_key: str = "answer",
-                 system_prompt: str | None = None, indices: Sequence[int] | np.ndarray | None = None) -> None:
+    def __init__(
+        self,
+        table: pa.Table,
+        prompt_key: str = "prompt",
+        answer_key: str = "answer",
+        system_prompt: str | None = None,
+        indices: Sequence[int] | np.ndarray | None = None,
+    ) -> None:
         if prompt_key not in table.column_names:
-            raise DatasetError(f"dataset has no column '{prompt_key}' (its columns: "
-                               f"{', '.join(table.column_names) or 'none'}); set prompt_key")
+            raise DatasetError(
+                f"dataset has no column '{prompt_key}' (its columns: "
+                f"{', '.join(table.column_names) or 'none'}); set prompt_key"
+            )
         self.table, self.prompt_key, self.system_prompt = table, prompt_key, system_prompt
         self.answer_key = answer_key if answer_key in table.column_names else None
         self._batches = [b for b in table.to_batches() if b.num_rows]

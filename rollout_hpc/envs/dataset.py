@@ -33,19 +33,32 @@ def load_chat_template(spec: str) -> str:
         return spec
     path = Path(str(spec)).expanduser()
     if path.suffix != ".jinja" or not path.is_file():
-        raise DatasetError(f"task.params.chat_template '{spec}': expected auto, none, or an existing .jinja file "
-                           f"(relative paths start at {Path.cwd()})")
+        raise DatasetError(
+            f"task.params.chat_template '{spec}': expected auto, none, or an existing .jinja file "
+            f"(relative paths start at {Path.cwd()})"
+        )
     return path.read_text()
 
 
 class DatasetTask:
-    def __init__(self, train: str | None = None, val: str | None = None, val_fraction: float | None = None,
-                 prompt_key: str = "prompt", answer_key: str = "answer", system_prompt: str | None = None,
-                 chat_template: str = "auto", shuffle: bool = True, split_seed: int = 0,
-                 data_dir: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        train: str | None = None,
+        val: str | None = None,
+        val_fraction: float | None = None,
+        prompt_key: str = "prompt",
+        answer_key: str = "answer",
+        system_prompt: str | None = None,
+        chat_template: str = "auto",
+        shuffle: bool = True,
+        split_seed: int = 0,
+        data_dir: str | Path | None = None,
+    ) -> None:
         if not train:
-            raise DatasetError("task.params.train is required for task.name 'dataset': the path of a .jsonl, .json, "
-                               ".parquet file or a datasets.save_to_disk directory")
+            raise DatasetError(
+                "task.params.train is required for task.name 'dataset': the path of a .jsonl, .json, "
+                ".parquet file or a datasets.save_to_disk directory"
+            )
         if val and val_fraction:
             raise DatasetError("task.params: give val (a file) or val_fraction (a split of train), not both")
         if val_fraction is not None and not 0 < float(val_fraction) < 1:
@@ -72,8 +85,10 @@ class DatasetTask:
         elif val_fraction:
             train_idx, val_idx = split_rows(len(table), float(val_fraction), split_seed)
             if not len(train_idx) or not len(val_idx):
-                raise DatasetError(f"task.params.val_fraction {val_fraction} of {len(table)} rows in {train} leaves an "
-                                   "empty split; change val_fraction or give task.params.val")
+                raise DatasetError(
+                    f"task.params.val_fraction {val_fraction} of {len(table)} rows in {train} leaves an "
+                    "empty split; change val_fraction or give task.params.val"
+                )
             table, val_table = table.take(pa.array(train_idx)), table.take(pa.array(val_idx))
         return table, val_table
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout_hpc.errors import ConfigError, TaskError
+from rollout_hpc.errors import TaskError
 from rollout_hpc.plugins import PluginError, checked_reward_fn, is_plugin_spec, load_plugin, load_reward
 from rollout_hpc.rewards import builtin_reward, is_builtin_reward
 
@@ -73,19 +73,25 @@ def load_task(task_cfg, data_dir=None) -> Any:
     spec = task_cfg.reward
     if not spec:
         if name in NEEDS_REWARD:
-            raise TaskError(f"task.name '{name}' needs task.reward: math (math-verify: \\boxed{{}}, LaTeX, numbers, "
-                            "GSM8K '#### 42' answers), exact, regex:PATTERN, or a plugin 'file.py:fn'")
+            raise TaskError(
+                f"task.name '{name}' needs task.reward: math (math-verify: \\boxed{{}}, LaTeX, numbers, "
+                "GSM8K '#### 42' answers), exact, regex:PATTERN, or a plugin 'file.py:fn'"
+            )
         return task
     if is_multi_turn(task):
-        raise TaskError(f"task.reward overrides the reward of single-turn tasks; '{name}' is multi-turn "
-                         "(its environment's step() gives the rewards)")
+        raise TaskError(
+            f"task.reward overrides the reward of single-turn tasks; '{name}' is multi-turn "
+            "(its environment's step() gives the rewards)"
+        )
     who = f"task.reward '{spec}'"
     if is_builtin_reward(spec):
         raw = answer_reward(builtin_reward(spec, task_cfg.format_reward, task_cfg.format_pattern))
         return CheckedRewardTask(task, checked_reward_fn(raw, who), raw, who)
     if not is_plugin_spec(spec):
-        raise TaskError(f"{who} is neither a built-in reward (math, exact, regex:PATTERN) nor a plugin "
-                        "('package.module:fn' or 'path/to/file.py:fn')")
+        raise TaskError(
+            f"{who} is neither a built-in reward (math, exact, regex:PATTERN) nor a plugin "
+            "('package.module:fn' or 'path/to/file.py:fn')"
+        )
     checked = load_reward(spec, "task.reward")
     return CheckedRewardTask(task, checked, checked.__wrapped__, who)
 
@@ -99,8 +105,10 @@ def check_task(cfg) -> Any:
             raise TaskError(f"eval: validation runs single-turn tasks; '{cfg.task.name}' is multi-turn (remove eval:)")
         rows = eval_prompts(task, cfg.run.seed)
         if rows is None or len(rows) == 0:
-            raise TaskError(f"eval: task '{cfg.task.name}' has no held-out prompts; for a dataset set task.params.val "
-                            "(a file) or task.params.val_fraction (a seeded split of train), or remove the eval: section")
+            raise TaskError(
+                f"eval: task '{cfg.task.name}' has no held-out prompts; for a dataset set task.params.val "
+                "(a file) or task.params.val_fraction (a seeded split of train), or remove the eval: section"
+            )
     return task
 
 
@@ -111,8 +119,10 @@ def _task_from_plugin(spec: str, params: dict) -> Any:
     is_factory = isinstance(obj, type) or (callable(obj) and not hasattr(obj, "prompts"))
     if not is_factory and hasattr(obj, "prompts"):
         if params:
-            raise PluginError(f"{who} is a ready task object, so task.params ({', '.join(params)}) cannot be applied; "
-                              "export a class or factory function instead")
+            raise PluginError(
+                f"{who} is a ready task object, so task.params ({', '.join(params)}) cannot be applied; "
+                "export a class or factory function instead"
+            )
         task = obj
     elif is_factory:
         try:
@@ -126,6 +136,8 @@ def _task_from_plugin(spec: str, params: dict) -> Any:
     if is_multi_turn(task):
         return task
     if not callable(getattr(task, "reward", None)):
-        raise PluginError(f"{who} gave a {type(task).__name__} with neither reward(prompt, response_text) "
-                          "nor make_env(); see docs/plugins.md")
+        raise PluginError(
+            f"{who} gave a {type(task).__name__} with neither reward(prompt, response_text) "
+            "nor make_env(); see docs/plugins.md"
+        )
     return CheckedRewardTask(task, checked_reward_fn(task.reward, f"{who} reward()"), task.reward, f"{who} reward()")

@@ -7,7 +7,8 @@ and is then sent only (split, prompt index, response text) per sample.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rollout_hpc.config import TaskSection
 

@@ -38,7 +38,7 @@ class Level:
     player: Cell
 
     @classmethod
-    def from_text(cls, text: str) -> "Level":
+    def from_text(cls, text: str) -> Level:
         rows = [r for r in text.strip("\n").split("\n")]
         walls, target, box, player = set(), None, None, None
         for y, row in enumerate(rows):
@@ -132,8 +132,15 @@ def parse_action(text: str) -> str | None:
 
 
 class SokobanEnv:
-    def __init__(self, max_turns: int = 8, step_cost: float = 0.05, invalid_penalty: float = 0.1,
-                 size: int = 5, interior_walls: int = 0, instructions: bool = True) -> None:
+    def __init__(
+        self,
+        max_turns: int = 8,
+        step_cost: float = 0.05,
+        invalid_penalty: float = 0.1,
+        size: int = 5,
+        interior_walls: int = 0,
+        instructions: bool = True,
+    ) -> None:
         self.max_turns, self.step_cost, self.invalid_penalty = max_turns, step_cost, invalid_penalty
         self.size, self.interior_walls, self.instructions = size, interior_walls, instructions
         self.level: Level | None = None

@@ -76,7 +76,9 @@ def _ring_module():
     try:
         from rollout_hpc.exchange import ring  # in here: a missing Rust extension becomes a clear ExchangeError
     except ModuleNotFoundError as exc:  # the ring ships with the Rust extension
-        raise ExchangeError(f"the node ring is not available ({exc}); rebuild the rollout_hpc._ring extension") from None
+        raise ExchangeError(
+            f"the node ring is not available ({exc}); rebuild the rollout_hpc._ring extension"
+        ) from None
     return ring
 
 
@@ -127,9 +129,13 @@ class Exchange:
         ring = _ring_module()
         self._RingTimeout, self._RingClosed = ring.RingTimeout, ring.RingClosed
         self._RecordTooLarge = ring.RecordTooLarge
-        self.ring_path = ring.ring_path(cfg.exchange.ring_dir, cfg.run.name, world.job_id, world.node_name, f"exp-{world.role}")
+        self.ring_path = ring.ring_path(
+            cfg.exchange.ring_dir, cfg.run.name, world.job_id, world.node_name, f"exp-{world.role}"
+        )
         if world.is_node_leader:
-            if os.path.exists(self.ring_path):  # a requeued job reuses its job id; unused experiences live in checkpoints
+            if os.path.exists(
+                self.ring_path
+            ):  # a requeued job reuses its job id; unused experiences live in checkpoints
                 os.unlink(self.ring_path)
             self.ring = ring.Ring.create(self.ring_path, cfg.exchange.ring_bytes)
         world.node_comm.Barrier()
@@ -180,7 +186,9 @@ class Exchange:
             ) from None
         except self._RingClosed:
             self._raise_worker_error()
-            raise ExchangeError(f"the forwarder of generator node {self.world.node_name} stopped; see its leader rank's error") from None
+            raise ExchangeError(
+                f"the forwarder of generator node {self.world.node_name} stopped; see its leader rank's error"
+            ) from None
         self.counters["put_records"] += n_records
         self.counters["put_bytes"] += size
 
@@ -240,8 +248,11 @@ class Exchange:
             parts = [p for p in parts if len(p)] or [TrajectoryBatch.empty()]
             merged = TrajectoryBatch.concat(parts) if len(parts) > 1 else parts[0]  # one batch: no copy
             self._leftover = merged
-        out, self._leftover = (merged, TrajectoryBatch.empty()) if have <= n_records else (
-            merged.select(slice(0, n_records)), merged.select(slice(n_records, None)))
+        out, self._leftover = (
+            (merged, TrajectoryBatch.empty())
+            if have <= n_records
+            else (merged.select(slice(0, n_records)), merged.select(slice(n_records, None)))
+        )
         self.counters["got_records"] += len(out)
         return out
 
@@ -262,7 +273,7 @@ class Exchange:
                 self.ring.try_push(buf)  # leave it for the node's other trainer ranks
             except Exception:
                 pass
-            kind, _, text = bytes(buf[len(_POISON):]).decode(errors="replace").partition(":")
+            kind, _, text = bytes(buf[len(_POISON) :]).decode(errors="replace").partition(":")
             raise (LayoutError if kind == "LayoutError" else ExchangeError)(text)
         return _validate(buf, f"trainer node {self.world.node_name}")
 
@@ -286,13 +297,17 @@ class Exchange:
             try:
                 self.ring.push(_DONE, timeout=timeout)  # after all of this rank's batches (FIFO)
             except self._RingClosed:
-                raise ExchangeError(f"the forwarder of generator node {self.world.node_name} stopped; see its leader rank's error") from None
+                raise ExchangeError(
+                    f"the forwarder of generator node {self.world.node_name} stopped; see its leader rank's error"
+                ) from None
         else:
             rest = self.get(1 << 62, timeout=timeout)  # until the end of the stream
         if self._worker is not None:
             self._worker.join(timeout)
             if self._worker.is_alive():
-                raise TimeoutError(f"the exchange {self._worker.kind} of node {self.world.node_name} did not finish within {timeout}s")
+                raise TimeoutError(
+                    f"the exchange {self._worker.kind} of node {self.world.node_name} did not finish within {timeout}s"
+                )
             self.ring.close()
             _unlink_quietly(self.ring)
             self._raise_worker_error()
@@ -302,7 +317,9 @@ class Exchange:
     def _raise_worker_error(self) -> None:
         if self._worker is not None and self._worker.error is not None:
             err = self._worker.error
-            raise (err if isinstance(err, LayoutError) else ExchangeError(f"{self._worker.name} failed: {err!r}")) from err
+            raise (
+                err if isinstance(err, LayoutError) else ExchangeError(f"{self._worker.name} failed: {err!r}")
+            ) from err
 
     def stats(self) -> dict:
         out = {"role": self.world.role, "rank": self.world.rank, "node": self.world.node_name, **self.counters}
@@ -391,7 +408,9 @@ class _Forwarder(_Worker):
                     self.done_ranks += 1
                     drained |= self.done_ranks == self.local_size
                 else:
-                    raise LayoutError(f"generator node {self.ex.world.node_name}: a {len(head)}-byte record in its ring is not a trajectory batch")
+                    raise LayoutError(
+                        f"generator node {self.ex.world.node_name}: a {len(head)}-byte record in its ring is not a trajectory batch"
+                    )
             if staged is not None and (self.inflight == 0 or self.inflight + len(staged.view) <= self.budget):
                 self._send(staged)
                 staged, busy = None, True
@@ -426,7 +445,7 @@ class _Forwarder(_Worker):
         MPI = self.MPI
         MPI.Request.Waitall([self.comm.Isend([payload, MPI.BYTE], dest=d, tag=tag) for d in self.dests])
 
-    def _send(self, claim: "_Claim"):
+    def _send(self, claim: _Claim):
         view = claim.view
         try:  # the header only: routing needs the token count; the receiver checks every length
             n_records, n_tokens = TrajectoryBatch.peek(view)
@@ -582,5 +601,10 @@ class _Receiver(_Worker):
             pass
 
     def stats(self) -> dict:
-        return {"received_msgs": self.recv_msgs, "received_bytes": self.recv_bytes, "received_records": self.recv_records,
-                "ends": self.ends, "generator_nodes": self.n_sources}
+        return {
+            "received_msgs": self.recv_msgs,
+            "received_bytes": self.recv_bytes,
+            "received_records": self.recv_records,
+            "ends": self.ends,
+            "generator_nodes": self.n_sources,
+        }

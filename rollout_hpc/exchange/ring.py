@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Iterable, Iterator
 
 from rollout_hpc import _ring
 from rollout_hpc._ring import RecordTooLarge, RingClosed, RingError, RingTimeout
@@ -47,17 +47,17 @@ class Ring:
 
     # ---- lifecycle -------------------------------------------------------------------
     @classmethod
-    def create(cls, path: str | os.PathLike, capacity: int) -> "Ring":
+    def create(cls, path: str | os.PathLike, capacity: int) -> Ring:
         """Creates an owner-only (0600) segment with `capacity` bytes of record space; fails if it exists."""
         return cls(_ring.Ring.create(os.fspath(path), int(capacity)))
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> "Ring":
+    def open(cls, path: str | os.PathLike) -> Ring:
         """Attaches to an existing segment; RingError names the file and what is wrong with it."""
         return cls(_ring.Ring.open(os.fspath(path)))
 
     @classmethod
-    def open_or_create(cls, path: str | os.PathLike, capacity: int) -> "Ring":
+    def open_or_create(cls, path: str | os.PathLike, capacity: int) -> Ring:
         return cls(_ring.Ring.open_or_create(os.fspath(path), int(capacity)))
 
     @property

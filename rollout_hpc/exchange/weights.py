@@ -120,8 +120,14 @@ class WeightSync:
         MPI.Request.Waitall(reqs)
         seconds = time.perf_counter() - t0
         nbytes = sum(a.nbytes for a in arrays)
-        stats = {"version": int(version), "bytes": nbytes, "seconds": seconds, "gb_per_s": nbytes / max(seconds, 1e-9) / 1e9,
-                 "chunks": len(bcasts), "role": "trainer"}
+        stats = {
+            "version": int(version),
+            "bytes": nbytes,
+            "seconds": seconds,
+            "gb_per_s": nbytes / max(seconds, 1e-9) / 1e9,
+            "chunks": len(bcasts),
+            "role": "trainer",
+        }
         self.history.append(stats)
         return stats
 
@@ -165,8 +171,15 @@ class WeightSync:
                         self._closed = True
                     else:
                         self._latest = (header.version, tensors)
-                        self.history.append({"version": header.version, "bytes": int(flat.nbytes), "seconds": seconds,
-                                             "gb_per_s": flat.nbytes / max(seconds, 1e-9) / 1e9, "role": "generator"})
+                        self.history.append(
+                            {
+                                "version": header.version,
+                                "bytes": int(flat.nbytes),
+                                "seconds": seconds,
+                                "gb_per_s": flat.nbytes / max(seconds, 1e-9) / 1e9,
+                                "role": "generator",
+                            }
+                        )
                     self._cond.notify_all()
                 if header.stop:
                     return

@@ -73,11 +73,19 @@ def run_local(cfg: Config, run_dir: Path, console: Console | None = None) -> int
     manifest = rundir.read_manifest(run_dir)
     log_path = run_dir / rundir.LOGS / f"local-{len(manifest.get('local_runs', []))}.out"
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=launch_env(),
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=launch_env(),
         start_new_session=True,  # a terminal's Ctrl-C reaches us only; we pass it on once
     )
-    run_record = {"pid": proc.pid, "host": os.uname().nodename, "started": rundir.now_utc(),
-                  "log": str(log_path), "exit_code": None}
+    run_record = {
+        "pid": proc.pid,
+        "host": os.uname().nodename,
+        "started": rundir.now_utc(),
+        "log": str(log_path),
+        "exit_code": None,
+    }
     rundir.update_manifest(run_dir, lambda m: m.setdefault("local_runs", []).append(run_record))
 
     terms = []
@@ -94,9 +102,12 @@ def run_local(cfg: Config, run_dir: Path, console: Console | None = None) -> int
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
     ranks = cfg.world_size
     try:
-        with open(log_path, "ab") as log, console.status(
-            f"[bold]mpirun[/]: {ranks} ranks ({cfg.generator.nodes}x{cfg.generator.tasks_per_node} generator, "
-            f"{cfg.trainer.nodes}x{cfg.trainer.tasks_per_node} trainer) in {run_dir}"
+        with (
+            open(log_path, "ab") as log,
+            console.status(
+                f"[bold]mpirun[/]: {ranks} ranks ({cfg.generator.nodes}x{cfg.generator.tasks_per_node} generator, "
+                f"{cfg.trainer.nodes}x{cfg.trainer.tasks_per_node} trainer) in {run_dir}"
+            ),
         ):
             assert proc.stdout is not None
             for raw in proc.stdout:
@@ -120,6 +131,7 @@ def run_local(cfg: Config, run_dir: Path, console: Console | None = None) -> int
     rundir.update_manifest(run_dir, finish)
     console.print(f"mpirun exited with code {exit_code}; log: {run_dir / rundir.LOGS}/", markup=False)
     if exit_code == EXIT_CONTINUE:
-        console.print(f"the run checkpointed and stopped early; continue it with `rollout-hpc resume {run_dir}`",
-                      markup=False)
+        console.print(
+            f"the run checkpointed and stopped early; continue it with `rollout-hpc resume {run_dir}`", markup=False
+        )
     return exit_code

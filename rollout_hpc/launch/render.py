@@ -85,7 +85,11 @@ def _check_path(run_dir: Path) -> None:
 
 def _group_options(cfg: Config, group: GroupSection) -> list[str]:
     s = cfg.slurm
-    opts = [f"--nodes={group.nodes}", f"--ntasks-per-node={group.tasks_per_node}", f"--cpus-per-task={group.cpus_per_task}"]
+    opts = [
+        f"--nodes={group.nodes}",
+        f"--ntasks-per-node={group.tasks_per_node}",
+        f"--cpus-per-task={group.cpus_per_task}",
+    ]
     if group.gpus_per_task:
         if s.gpu_request == "gres":
             opts.append(f"--gres=gpu:{group.gpus_per_task * group.tasks_per_node}")
@@ -108,8 +112,10 @@ def _group_options(cfg: Config, group: GroupSection) -> list[str]:
 def _one_line(text: str, what: str) -> str:
     """A value written into the script outside shell quoting (#SBATCH lines, the header comment) must stay on its line."""
     if re.search(r"[\x00-\x1f\x7f]", text):
-        raise UserError(f"{what} {text!r} contains a control character (a newline would start a shell command in "
-                        "the job script); remove it from the config")
+        raise UserError(
+            f"{what} {text!r} contains a control character (a newline would start a shell command in "
+            "the job script); remove it from the config"
+        )
     return text
 
 
@@ -157,19 +163,23 @@ def render_script(cfg: Config, run_dir: Path, source: str = "(defaults)") -> str
     run_dir = Path(os.path.abspath(run_dir))
     _check_path(run_dir)
     srun_args, exec_prefix = _step_prefixes(cfg)
-    return template_env().get_template(CONFIG_TEMPLATE).render(
-        version=__version__,
-        source=re.sub(r"[\x00-\x1f\x7f]", "?", source),  # a comment line: a config path must not end it
-        digest=cfg.digest(),
-        components=components(cfg, run_dir),
-        run_dir=run_dir,
-        python=step_python(cfg),
-        mpi=cfg.slurm.mpi,
-        max_requeues=cfg.slurm.max_requeues,
-        modules=cfg.slurm.modules,
-        env=cfg.slurm.env,
-        srun_args=srun_args,
-        exec_prefix=exec_prefix,
+    return (
+        template_env()
+        .get_template(CONFIG_TEMPLATE)
+        .render(
+            version=__version__,
+            source=re.sub(r"[\x00-\x1f\x7f]", "?", source),  # a comment line: a config path must not end it
+            digest=cfg.digest(),
+            components=components(cfg, run_dir),
+            run_dir=run_dir,
+            python=step_python(cfg),
+            mpi=cfg.slurm.mpi,
+            max_requeues=cfg.slurm.max_requeues,
+            modules=cfg.slurm.modules,
+            env=cfg.slurm.env,
+            srun_args=srun_args,
+            exec_prefix=exec_prefix,
+        )
     )
 
 

@@ -34,13 +34,13 @@ class ResumePlan:
     run_dir: Path
     cfg: Config
     overrides: list[str]
-    step: int = 0                   # steps already done (0: no checkpoint yet, start from the beginning)
+    step: int = 0  # steps already done (0: no checkpoint yet, start from the beginning)
     policy_version: int | None = None
     checkpoint: Path | None = None
-    config_changes: list[str] = field(default_factory=list)   # every key that differs from the checkpoint's config
-    damaged: list[str] = field(default_factory=list)          # one line per damaged checkpoint moved aside
+    config_changes: list[str] = field(default_factory=list)  # every key that differs from the checkpoint's config
+    damaged: list[str] = field(default_factory=list)  # one line per damaged checkpoint moved aside
     force: bool = False
-    discard_log: bool = False       # --from-scratch over a log of N steps: apply_plan moves the log aside
+    discard_log: bool = False  # --from-scratch over a log of N steps: apply_plan moves the log aside
 
     @property
     def finished(self) -> bool:
@@ -76,7 +76,9 @@ def newest_valid_checkpoint(run_dir: Path, move_aside: bool = True) -> tuple[obj
             aside = info.path.with_name(info.path.name + DAMAGED_SUFFIX)
             if move_aside:
                 os.replace(info.path, aside)
-            damaged.append(f"skipping damaged checkpoint {exc}; {'moved' if move_aside else 'would move'} it to {aside.name}")
+            damaged.append(
+                f"skipping damaged checkpoint {exc}; {'moved' if move_aside else 'would move'} it to {aside.name}"
+            )
             continue
         return info, meta, damaged
     if damaged:
@@ -101,16 +103,19 @@ def logged_steps(run_dir: Path) -> int | None:
         return -1
 
 
-def plan_resume(run_dir: Path, overrides: list[str], force: bool = False, dry_run: bool = False,
-                from_scratch: bool = False) -> ResumePlan:
+def plan_resume(
+    run_dir: Path, overrides: list[str], force: bool = False, dry_run: bool = False, from_scratch: bool = False
+) -> ResumePlan:
     from rollout_hpc.store.checkpoint import check_compatible  # in here: imports torch; the CLI must start fast
 
     run_dir = Path(os.path.abspath(run_dir))
     manifest = rundir.read_manifest(run_dir)  # UserError: not a run directory
     resolved = run_dir / rundir.RESOLVED_CONFIG
     if not resolved.is_file():
-        raise UserError(f"{resolved} is missing: {run_dir} is not a complete run directory; restore it from config.yaml "
-                        f"(`rollout-hpc render`), or start a new run")
+        raise UserError(
+            f"{resolved} is missing: {run_dir} is not a complete run directory; restore it from config.yaml "
+            f"(`rollout-hpc render`), or start a new run"
+        )
     live = live_jobs(run_dir, manifest)
     if live:
         raise UserError(
@@ -129,7 +134,8 @@ def plan_resume(run_dir: Path, overrides: list[str], force: bool = False, dry_ru
                 raise UserError(
                     f"{run_dir} has no valid checkpoint ({'set aside as damaged: ' + ', '.join(aside) if aside else 'none written'}) "
                     f"but {what}; a resume would start again at step 0 and discard them. Restore a checkpoint, or "
-                    f"pass --from-scratch to start over (the old log is kept as trajectories.discarded-<time>.h5)")
+                    f"pass --from-scratch to start over (the old log is kept as trajectories.discarded-<time>.h5)"
+                )
             plan.discard_log = True
         return plan
     info, meta, plan.damaged = found
@@ -163,10 +169,16 @@ def apply_plan(plan: ResumePlan, launcher: str) -> None:
 
     def record(manifest: dict) -> None:
         manifest["config_digest"] = plan.cfg.digest()
-        manifest.setdefault("resumes", []).append({
-            "at": rundir.now_utc(), "launcher": launcher, "from_step": plan.step,
-            "checkpoint": plan.checkpoint.name if plan.checkpoint else None, "overrides": plan.overrides,
-            "forced_changes": plan.config_changes if plan.force else [], "damaged": plan.damaged,
-        })
+        manifest.setdefault("resumes", []).append(
+            {
+                "at": rundir.now_utc(),
+                "launcher": launcher,
+                "from_step": plan.step,
+                "checkpoint": plan.checkpoint.name if plan.checkpoint else None,
+                "overrides": plan.overrides,
+                "forced_changes": plan.config_changes if plan.force else [],
+                "damaged": plan.damaged,
+            }
+        )
 
     rundir.update_manifest(plan.run_dir, record)

@@ -23,17 +23,24 @@ import re
 import shutil
 import socket
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import yaml
 
 from rollout_hpc import __version__
 from rollout_hpc.config import Config, ConfigError, UserError
 from rollout_hpc.envs.registry import check_task
-from rollout_hpc.rundir_layout import (CHECKPOINTS, CONFIG_SNAPSHOT, DATA, JOB_SCRIPT, LOGS, MANIFEST, RESOLVED_CONFIG,
-                                      TRAJECTORY_LOG)
-
+from rollout_hpc.rundir_layout import (
+    CHECKPOINTS,
+    CONFIG_SNAPSHOT,
+    DATA,
+    JOB_SCRIPT,
+    LOGS,
+    MANIFEST,
+    RESOLVED_CONFIG,
+)
 
 
 def now_utc() -> str:
@@ -117,8 +124,10 @@ def check_model_path(path: str | None) -> None:
         return
     where = Path(path).expanduser()
     if not where.is_dir():
-        raise ConfigError(f"model.path {path} is not a directory; download the model first (README: compute nodes "
-                          "without internet) or remove model.path for the built-in tiny model")
+        raise ConfigError(
+            f"model.path {path} is not a directory; download the model first (README: compute nodes "
+            "without internet) or remove model.path for the built-in tiny model"
+        )
     missing = [name for name in ("config.json",) if not (where / name).is_file()]
     if not any(where.glob("tokenizer*")):
         missing.append("tokenizer files (tokenizer.json or tokenizer_config.json)")
@@ -136,7 +145,9 @@ def check_init_from(spec: str | None) -> None:
         if not path.exists():
             raise ConfigError(f"model.init_from {spec}: no such checkpoint")
     elif not path.is_dir():
-        raise ConfigError(f"model.init_from {spec}: no such run directory or checkpoint (RUN_DIR/{CHECKPOINTS}/step-N.h5)")
+        raise ConfigError(
+            f"model.init_from {spec}: no such run directory or checkpoint (RUN_DIR/{CHECKPOINTS}/step-N.h5)"
+        )
     elif not any((path / CHECKPOINTS).glob("step-*")):
         raise ConfigError(f"model.init_from {spec}: that run has no checkpoints ({path / CHECKPOINTS} is empty)")
 

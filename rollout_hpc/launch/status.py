@@ -15,20 +15,30 @@ from dataclasses import asdict, dataclass
 
 ROLES = {0: "generator", 1: "trainer"}
 # States after which Slurm will not run the job again by itself (UNKNOWN: it has forgotten the job).
-ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
-         "OUT_OF_MEMORY", "UNKNOWN"}
+ENDED = {
+    "COMPLETED",
+    "CANCELLED",
+    "FAILED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "OUT_OF_MEMORY",
+    "UNKNOWN",
+}
 _FIELD = re.compile(r"(\S+?)=(.*?)(?= \S+?=|$)")
 
 
 @dataclass
 class ComponentState:
-    job_id: str          # e.g. 1234+0 for component 0 of het job 1234
+    job_id: str  # e.g. 1234+0 for component 0 of het job 1234
     role: str
     state: str
     nodes: str
     restarts: str
     reason: str
-    source: str          # scontrol | sacct | none
+    source: str  # scontrol | sacct | none
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -57,15 +67,17 @@ def _from_scontrol(job_id: str) -> list[ComponentState] | None:
     for fields in parse_scontrol(out):
         offset = int(fields.get("HetJobOffset", "0") or 0)
         shown = f"{job_id}+{offset}" if "HetJobOffset" in fields else fields.get("JobId", job_id)
-        states.append(ComponentState(
-            job_id=shown,
-            role=ROLES.get(offset, f"component {offset}"),
-            state=fields.get("JobState", "?"),
-            nodes=fields.get("NodeList", "") if fields.get("NodeList") not in (None, "(null)") else "",
-            restarts=fields.get("Restarts", "?"),
-            reason=fields.get("Reason", "") if fields.get("Reason") != "None" else "",
-            source="scontrol",
-        ))
+        states.append(
+            ComponentState(
+                job_id=shown,
+                role=ROLES.get(offset, f"component {offset}"),
+                state=fields.get("JobState", "?"),
+                nodes=fields.get("NodeList", "") if fields.get("NodeList") not in (None, "(null)") else "",
+                restarts=fields.get("Restarts", "?"),
+                reason=fields.get("Reason", "") if fields.get("Reason") != "None" else "",
+                source="scontrol",
+            )
+        )
     return states
 
 
@@ -77,15 +89,30 @@ def _from_sacct(job_id: str) -> list[ComponentState] | None:
     for line in out.splitlines():
         jid, state, nodes, reason = (line.split("|") + ["", "", "", ""])[:4]
         offset = int(jid.partition("+")[2] or 0)
-        states.append(ComponentState(jid, ROLES.get(offset, f"component {offset}"), state, nodes, "?",
-                                     "" if reason == "None" else reason, "sacct"))
+        states.append(
+            ComponentState(
+                jid,
+                ROLES.get(offset, f"component {offset}"),
+                state,
+                nodes,
+                "?",
+                "" if reason == "None" else reason,
+                "sacct",
+            )
+        )
     return states or None
 
 
 def job_states(job_id: str) -> list[ComponentState]:
-    return _from_scontrol(job_id) or _from_sacct(job_id) or [
-        ComponentState(job_id, "-", "UNKNOWN", "", "?", "no longer known to slurmctld, and sacct has no record", "none")
-    ]
+    return (
+        _from_scontrol(job_id)
+        or _from_sacct(job_id)
+        or [
+            ComponentState(
+                job_id, "-", "UNKNOWN", "", "?", "no longer known to slurmctld, and sacct has no record", "none"
+            )
+        ]
+    )
 
 
 def local_state(record: dict) -> str:

@@ -52,7 +52,9 @@ def sbatch(script: Path, *, dependency: str | None = None, export: str | None = 
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=SBATCH_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        raise UserError(f"sbatch did not answer within {SBATCH_TIMEOUT_S}s; is slurmctld reachable (`sinfo`)?") from None
+        raise UserError(
+            f"sbatch did not answer within {SBATCH_TIMEOUT_S}s; is slurmctld reachable (`sinfo`)?"
+        ) from None
     if done.returncode != 0:
         message = (done.stderr or done.stdout).strip() or f"exit code {done.returncode}"
         raise UserError(
@@ -62,7 +64,9 @@ def sbatch(script: Path, *, dependency: str | None = None, export: str | None = 
         )
     job_id = done.stdout.strip().split(";")[0]  # --parsable prints "id" or "id;cluster"
     if not job_id.isdigit():
-        raise UserError(f"sbatch answered '{done.stdout.strip()}', not a job id; submission state unknown, check `squeue`")
+        raise UserError(
+            f"sbatch answered '{done.stdout.strip()}', not a job id; submission state unknown, check `squeue`"
+        )
     return job_id
 
 

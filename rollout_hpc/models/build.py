@@ -67,8 +67,10 @@ def _load_pretrained(path: Path, dtype: torch.dtype, vocab_size: int) -> torch.n
     from transformers import AutoModelForCausalLM
 
     if not path.is_dir():
-        raise ModelLoadError(f"model.path {path} is not a directory; point it at a local Hugging Face model "
-                             "(a folder with config.json and weights) or remove model.path for the built-in tiny model")
+        raise ModelLoadError(
+            f"model.path {path} is not a directory; point it at a local Hugging Face model "
+            "(a folder with config.json and weights) or remove model.path for the built-in tiny model"
+        )
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"model.path {path} has no config.json, so it is not a Hugging Face model directory")
     try:
@@ -77,5 +79,7 @@ def _load_pretrained(path: Path, dtype: torch.dtype, vocab_size: int) -> torch.n
         raise ModelLoadError(f"model.path {path}: could not load a causal LM: {exc}") from None
     emb = model.get_input_embeddings().num_embeddings
     if vocab_size > emb:
-        raise ModelLoadError(f"model.path {path}: the tokenizer has {vocab_size} tokens but the model embeds only {emb}")
+        raise ModelLoadError(
+            f"model.path {path}: the tokenizer has {vocab_size} tokens but the model embeds only {emb}"
+        )
     return model

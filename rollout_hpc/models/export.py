@@ -41,8 +41,10 @@ DEFAULT_MAX_SHARD = "5GB"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Files of a model.path directory that are NOT copied: the base weights, and what the export writes itself.
-_NOT_COPIED = re.compile(r"(\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf|onnx)|\.index\.json|^config\.json|"
-                         r"^generation_config\.json|^" + re.escape(EXPORT_INFO) + r")$")
+_NOT_COPIED = re.compile(
+    r"(\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf|onnx)|\.index\.json|^config\.json|"
+    r"^generation_config\.json|^" + re.escape(EXPORT_INFO) + r")$"
+)
 
 
 class ExportError(UserError):
@@ -56,9 +58,9 @@ class PolicyCheckpoint:
     step: int
     path: Path
     meta: dict
-    weights: dict[str, Any]           # hf name -> array (float32 as saved)
-    weights_sha256: str               # store.weights_digest of the checkpoint (what `rollout-hpc ckpt` prints)
-    source: str                       # "weights", or "weights + fp32 masters of N shards"
+    weights: dict[str, Any]  # hf name -> array (float32 as saved)
+    weights_sha256: str  # store.weights_digest of the checkpoint (what `rollout-hpc ckpt` prints)
+    source: str  # "weights", or "weights + fp32 masters of N shards"
     damaged: list[str] = field(default_factory=list)  # newer checkpoints passed over, one line each
 
 
@@ -77,6 +79,7 @@ class ExportResult:
 
 
 # --- reading the checkpoint ----------------------------------------------------------------
+
 
 def _masters(state: dict) -> dict[str, Any]:
     """The whole fp32 master value of every parameter this DeepSpeed shard owns ({} for other layouts)."""
@@ -98,16 +101,20 @@ def _read(info) -> PolicyCheckpoint:
     _, state, meta = load_checkpoint(info, shard=0)
     n = int(meta.get("n_shards", 1))
     if not isinstance(state.get("weights"), dict):
-        raise ExportError(f"{info.path}: shard 0 holds no 'weights' (written by an older rollout-hpc?); "
-                          "resume the run for one step with this version to write a checkpoint that can be exported")
+        raise ExportError(
+            f"{info.path}: shard 0 holds no 'weights' (written by an older rollout-hpc?); "
+            "resume the run for one step with this version to write a checkpoint that can be exported"
+        )
     digest, weights, masters = weights_digest(state), dict(state["weights"]), _masters(state)
     del state
     for shard in range(1, n):
         masters.update(_masters(load_checkpoint(info, shard=shard)[1]))
     for name, value in masters.items():
         if name in weights and tuple(np.shape(weights[name])) != tuple(np.shape(value)):
-            raise ExportError(f"{info.path}: parameter {name} has shape {tuple(np.shape(value))} in the optimizer "
-                              f"shards but {tuple(np.shape(weights[name]))} in the weights")
+            raise ExportError(
+                f"{info.path}: parameter {name} has shape {tuple(np.shape(value))} in the optimizer "
+                f"shards but {tuple(np.shape(weights[name]))} in the weights"
+            )
     weights.update(masters)
     source = f"weights + fp32 masters of {n} shard(s)" if masters else f"weights of shard 0 of {n}"
     return PolicyCheckpoint(info.step, info.path, meta, weights, digest, source)
@@ -120,9 +127,15 @@ def read_policy(run_dir: str | Path, step: int | None = None) -> PolicyCheckpoin
     run_dir = Path(run_dir)
     infos = list_checkpoints(run_dir)
     if not infos:
-        hint = "" if (run_dir / "config.resolved.yaml").is_file() else " (is it a run directory made by `rollout-hpc submit`?)"
-        raise ExportError(f"no checkpoints in {checkpoint_dir(run_dir)}{hint}; a run writes them every "
-                          "checkpoint.every_steps steps and at its last step")
+        hint = (
+            ""
+            if (run_dir / "config.resolved.yaml").is_file()
+            else " (is it a run directory made by `rollout-hpc submit`?)"
+        )
+        raise ExportError(
+            f"no checkpoints in {checkpoint_dir(run_dir)}{hint}; a run writes them every "
+            "checkpoint.every_steps steps and at its last step"
+        )
     steps = ", ".join(str(i.step) for i in infos)
     if step is not None:
         chosen = [i for i in infos if i.step == step]
@@ -132,8 +145,11 @@ def read_policy(run_dir: str | Path, step: int | None = None) -> PolicyCheckpoin
             return _read(chosen[0])
         except CheckpointCorrupt as exc:
             older = _newest_valid([i for i in infos if i.step < step])
-            offer = f"; the newest valid one before it is step {older}: --step {older}" if older is not None else \
-                "; no older checkpoint verifies either"
+            offer = (
+                f"; the newest valid one before it is step {older}: --step {older}"
+                if older is not None
+                else "; no older checkpoint verifies either"
+            )
             raise ExportError(f"checkpoint of step {step} is damaged ({exc}){offer}") from None
     damaged = []
     for info in reversed(infos):
@@ -144,8 +160,9 @@ def read_policy(run_dir: str | Path, step: int | None = None) -> PolicyCheckpoin
             continue
         policy.damaged = [f"{line}; exporting {info.path.name} (step {info.step}) instead" for line in damaged]
         return policy
-    raise ExportError(f"every checkpoint in {checkpoint_dir(run_dir)} is damaged ({'; '.join(damaged)}); "
-                      "restore a copy of one")
+    raise ExportError(
+        f"every checkpoint in {checkpoint_dir(run_dir)} is damaged ({'; '.join(damaged)}); restore a copy of one"
+    )
 
 
 def _newest_valid(infos) -> int | None:
@@ -162,6 +179,7 @@ def _newest_valid(infos) -> int | None:
 
 # --- the Hugging Face side -------------------------------------------------------------------
 
+
 def run_model_section(run_dir: Path, meta: dict):
     """cfg.model of the checkpoint (its stored config), else of RUN_DIR/config.resolved.yaml."""
     import yaml
@@ -172,7 +190,9 @@ def run_model_section(run_dir: Path, meta: dict):
     if not isinstance(config, dict):
         resolved = run_dir / "config.resolved.yaml"
         if not resolved.is_file():
-            raise ExportError(f"the checkpoint stores no config and {resolved} is missing: cannot tell which model it is")
+            raise ExportError(
+                f"the checkpoint stores no config and {resolved} is missing: cannot tell which model it is"
+            )
         config = yaml.safe_load(resolved.read_text()) or {}
     return ModelSection.model_validate(config.get("model", {}))
 
@@ -191,8 +211,10 @@ def hf_config(model_cfg, dtype: str):
     else:
         base = Path(model_cfg.path)
         if not (base / "config.json").is_file():
-            raise ExportError(f"the run's model.path {base} has no config.json (moved or deleted?): the export takes the "
-                              "config and tokenizer files from there; restore that directory")
+            raise ExportError(
+                f"the run's model.path {base} has no config.json (moved or deleted?): the export takes the "
+                "config and tokenizer files from there; restore that directory"
+            )
         config = AutoConfig.from_pretrained(base, local_files_only=True)
     config.dtype = dtype
     return config
@@ -236,9 +258,16 @@ def _progress(enabled: bool):
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                    TextColumn("{task.fields[tensor]}"), console=Console(stderr=True), disable=not enabled,
-                    transient=False)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[tensor]}"),
+        console=Console(stderr=True),
+        disable=not enabled,
+        transient=False,
+    )
 
 
 def _sha256(path: Path) -> str:
@@ -249,16 +278,24 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_weights(directory: Path, weights: dict, names: dict[str, tuple[tuple[int, ...], bool]], dtype: str,
-                  max_shard_bytes: int, progress: bool) -> tuple[list[str], int]:
+def write_weights(
+    directory: Path,
+    weights: dict,
+    names: dict[str, tuple[tuple[int, ...], bool]],
+    dtype: str,
+    max_shard_bytes: int,
+    progress: bool,
+) -> tuple[list[str], int]:
     """Safetensors files of `names` from `weights` (floating tensors cast to `dtype`); returns (files, total bytes)."""
     import torch
     from safetensors.torch import save_file
 
     torch_dtype = getattr(torch, dtype)
     itemsize = torch.empty(0, dtype=torch_dtype).element_size()
-    sizes = {n: int(np.prod(shape, dtype=np.int64)) * (itemsize if is_float else np.asarray(weights[n]).itemsize)
-             for n, (shape, is_float) in names.items()}
+    sizes = {
+        n: int(np.prod(shape, dtype=np.int64)) * (itemsize if is_float else np.asarray(weights[n]).itemsize)
+        for n, (shape, is_float) in names.items()
+    }
     shards, current, used = [], [], 0
     for name in names:
         if current and used + sizes[name] > max_shard_bytes:
@@ -268,8 +305,11 @@ def write_weights(directory: Path, weights: dict, names: dict[str, tuple[tuple[i
         used += sizes[name]
     shards.append(current)
     total = sum(sizes.values())
-    files = [SINGLE_FILE] if len(shards) == 1 else \
-        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    files = (
+        [SINGLE_FILE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     with _progress(progress) as bar:
         task = bar.add_task("writing weights", total=total, tensor="")
         for file, shard in zip(files, shards):
@@ -299,7 +339,9 @@ def write_tokenizer_and_generation_config(directory: Path, model_cfg, config) ->
 
         tok = CharTokenizer()
         files = save_pretrained_tokenizer(tok.to_pretrained_tokenizer(model_cfg.max_seq_len), directory)
-        GenerationConfig(bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id).save_pretrained(directory)
+        GenerationConfig(bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id).save_pretrained(
+            directory
+        )
         return [*files, "generation_config.json"]
     base, files = Path(model_cfg.path), []
     for entry in sorted(base.iterdir()):
@@ -315,9 +357,17 @@ def write_tokenizer_and_generation_config(directory: Path, model_cfg, config) ->
 
 # --- the whole export --------------------------------------------------------------------------
 
-def export_model(run_dir: str | Path, out: str | Path, step: int | None = None, dtype: str | None = None,
-                 max_shard_size: str | int = DEFAULT_MAX_SHARD, force: bool = False, progress: bool = False,
-                 warn=None) -> ExportResult:
+
+def export_model(
+    run_dir: str | Path,
+    out: str | Path,
+    step: int | None = None,
+    dtype: str | None = None,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD,
+    force: bool = False,
+    progress: bool = False,
+    warn=None,
+) -> ExportResult:
     """Write OUT as a Hugging Face model directory of RUN_DIR's policy (see the module doc).
 
     dtype: bfloat16 | float16 | float32 (default: the run's model.dtype). force: replace an existing OUT.
@@ -348,11 +398,16 @@ def export_model(run_dir: str | Path, out: str | Path, step: int | None = None, 
     arch, names = expected_tensors(config)
     missing = [n for n in names if n not in policy.weights]
     unknown = sorted(set(policy.weights) - set(names) - _tied_names(config, names))
-    wrong = [f"{n} {tuple(np.shape(policy.weights[n]))} (the model has {names[n][0]})" for n in names
-             if n in policy.weights and tuple(np.shape(policy.weights[n])) != names[n][0]]
+    wrong = [
+        f"{n} {tuple(np.shape(policy.weights[n]))} (the model has {names[n][0]})"
+        for n in names
+        if n in policy.weights and tuple(np.shape(policy.weights[n])) != names[n][0]
+    ]
     if missing or unknown or wrong:
-        raise ExportError(f"{policy.path}: the checkpoint's weights do not fit {arch} of the run's model config "
-                          f"(missing {missing[:3]}, unknown {unknown[:3]}, wrong shape {wrong[:3]})")
+        raise ExportError(
+            f"{policy.path}: the checkpoint's weights do not fit {arch} of the run's model config "
+            f"(missing {missing[:3]}, unknown {unknown[:3]}, wrong shape {wrong[:3]})"
+        )
 
     partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
@@ -364,21 +419,34 @@ def export_model(run_dir: str | Path, out: str | Path, step: int | None = None, 
         files = ["config.json", *other, *weight_files]
         meta = policy.meta
         info = {
-            "format": EXPORT_FORMAT, "format_version": 1,
-            "run_dir": str(run_dir), "run_name": (meta.get("config") or {}).get("run", {}).get("name"),
-            "step": policy.step, "policy_version": meta.get("policy_version"),
-            "checkpoint": str(policy.path), "checkpoint_content_checksum": meta.get("content_checksum"),
-            "backend": meta.get("backend"), "weights_from": policy.source,
+            "format": EXPORT_FORMAT,
+            "format_version": 1,
+            "run_dir": str(run_dir),
+            "run_name": (meta.get("config") or {}).get("run", {}).get("name"),
+            "step": policy.step,
+            "policy_version": meta.get("policy_version"),
+            "checkpoint": str(policy.path),
+            "checkpoint_content_checksum": meta.get("content_checksum"),
+            "backend": meta.get("backend"),
+            "weights_from": policy.source,
             "config_digest": meta.get("config_digest"),
             "weights_sha256": policy.weights_sha256,
-            "model": {"architecture": arch, "base": model_cfg.path or "built-in", "dtype": dtype,
-                      "tensors": len(names), "bytes": total},
+            "model": {
+                "architecture": arch,
+                "base": model_cfg.path or "built-in",
+                "dtype": dtype,
+                "tensors": len(names),
+                "bytes": total,
+            },
             "files": {name: _sha256(partial / name) for name in sorted(files)},
-            "exported": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rollout_hpc": rollout_hpc.__version__,
+            "exported": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "rollout_hpc": rollout_hpc.__version__,
             "config": meta.get("config"),
         }
         (partial / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
-        mode = (partial / EXPORT_INFO).stat().st_mode & 0o777  # safetensors writes 0600: give every file the umask's mode
+        mode = (
+            partial / EXPORT_INFO
+        ).stat().st_mode & 0o777  # safetensors writes 0600: give every file the umask's mode
         for name in files:
             os.chmod(partial / name, mode)
         if out.exists():
@@ -387,13 +455,25 @@ def export_model(run_dir: str | Path, out: str | Path, step: int | None = None, 
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    return ExportResult(out, policy.step, meta.get("policy_version"), policy.path, dtype, [*sorted(files), EXPORT_INFO],
-                        len(names), total, info, policy.damaged)
+    return ExportResult(
+        out,
+        policy.step,
+        meta.get("policy_version"),
+        policy.path,
+        dtype,
+        [*sorted(files), EXPORT_INFO],
+        len(names),
+        total,
+        info,
+        policy.damaged,
+    )
 
 
 def _tied_names(config, names) -> set[str]:
     """Names a checkpoint may hold besides `names`: tied copies (lm_head.weight of a tied model)."""
-    return {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in names else set()
+    return (
+        {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in names else set()
+    )
 
 
 def read_export_info(directory: str | Path, verify: bool = False) -> dict:
@@ -404,8 +484,11 @@ def read_export_info(directory: str | Path, verify: bool = False) -> dict:
         raise ExportError(f"{path} not found: {directory} was not written by `rollout-hpc export-model`")
     info = json.loads(path.read_text())
     if verify:
-        changed = [name for name, digest in info.get("files", {}).items()
-                   if not (directory / name).is_file() or _sha256(directory / name) != digest]
+        changed = [
+            name
+            for name, digest in info.get("files", {}).items()
+            if not (directory / name).is_file() or _sha256(directory / name) != digest
+        ]
         if changed:
             raise ExportError(f"{directory}: {', '.join(changed)} changed or missing since the export")
     return info
@@ -418,7 +501,9 @@ def resolve_init_from(spec: str) -> tuple[Path, int | None]:
     if match and path.parent.name == "checkpoints":  # one checkpoint: a file, or a sharded checkpoint's directory
         return path.parent.parent, int(match.group(1))
     if not path.is_dir():
-        raise ExportError(f"model.init_from {spec}: no such run directory or checkpoint (RUN_DIR/checkpoints/step-N.h5)")
+        raise ExportError(
+            f"model.init_from {spec}: no such run directory or checkpoint (RUN_DIR/checkpoints/step-N.h5)"
+        )
     return path, None
 
 
@@ -429,4 +514,3 @@ def init_weights(spec: str) -> PolicyCheckpoint:
         return read_policy(run_dir, step)
     except ExportError as exc:
         raise ExportError(f"model.init_from {spec}: {exc}") from None
-

@@ -19,8 +19,8 @@ def left_pad(seqs: list[list[int]], pad_id: int, device=None) -> tuple[torch.Ten
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
         if len(s):
-            ids[i, width - len(s):] = torch.as_tensor(list(s), dtype=torch.long)
-            mask[i, width - len(s):] = 1
+            ids[i, width - len(s) :] = torch.as_tensor(list(s), dtype=torch.long)
+            mask[i, width - len(s) :] = 1
     return ids.to(device), mask.to(device)
 
 
@@ -63,7 +63,9 @@ def response_logprobs(
     r_ids, r_mask = right_pad(responses, pad_id, device=device)
     ids = torch.cat([p_ids, r_ids], dim=1)
     attn = torch.cat([p_mask, r_mask], dim=1)
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn), use_cache=False).logits
+    logits = model(
+        input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn), use_cache=False
+    ).logits
     P, T = p_ids.shape[1], r_ids.shape[1]
     # Logits at column c predict the token at c+1: response token j is predicted at P-1+j.
     scores = logits[:, P - 1 : P - 1 + T].float() / temperature

@@ -11,6 +11,7 @@ from typing import Any
 
 from rollout_hpc.envs.base import prompt_text
 
+
 def raw_text(item: Any) -> str:
     """The plain-text form of a prompt: chat turns' contents one per line, or the prompt text."""
     messages = getattr(item, "messages", None)

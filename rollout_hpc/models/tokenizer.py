@@ -53,7 +53,9 @@ def render_template(template: str, messages, **variables) -> str:
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(messages=[dict(m) for m in messages], add_generation_prompt=True, **variables)
+    return env.from_string(template).render(
+        messages=[dict(m) for m in messages], add_generation_prompt=True, **variables
+    )
 
 
 class CharTokenizer:
@@ -105,7 +107,9 @@ class CharTokenizer:
         ids = ids.tolist() if hasattr(ids, "tolist") else [int(i) for i in ids]
         if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):  # the backend would drop them silently
             bad = next(i for i in ids if not 0 <= i < self.vocab_size)
-            raise IndexError(f"token id {bad} is outside the built-in tokenizer's vocabulary (0..{self.vocab_size - 1})")
+            raise IndexError(
+                f"token id {bad} is outside the built-in tokenizer's vocabulary (0..{self.vocab_size - 1})"
+            )
         return self._backend.decode(ids, skip_special_tokens=skip_special)
 
     def to_pretrained_tokenizer(self, model_max_length: int | None = None):
@@ -116,8 +120,15 @@ class CharTokenizer:
 
         extra = {} if model_max_length is None else {"model_max_length": int(model_max_length)}
         return PreTrainedTokenizerFast(
-            tokenizer_object=char_tokenizer_backend(), bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-            chat_template=self.chat_template, clean_up_tokenization_spaces=False, padding_side="right", **extra)
+            tokenizer_object=char_tokenizer_backend(),
+            bos_token="<s>",
+            eos_token="</s>",
+            pad_token="<pad>",
+            chat_template=self.chat_template,
+            clean_up_tokenization_spaces=False,
+            padding_side="right",
+            **extra,
+        )
 
 
 def char_tokenizer_backend():
@@ -133,7 +144,8 @@ def char_tokenizer_backend():
     tok.decoder = decoders.Fuse()
     bos = CharTokenizer.SPECIAL_TEXT[CharTokenizer.BOS]
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, CharTokenizer.BOS)])
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, CharTokenizer.BOS)]
+    )
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CharTokenizer.SPECIAL_TEXT])
     return tok
 
@@ -190,10 +202,13 @@ class HFTokenizer:
 
     def render_chat(self, messages, template: str | None = None) -> str:
         if template is None and self.chat_template is None:
-            raise ModelLoadError(f"model.path {self.path}: the tokenizer has no chat template; set "
-                                 "task.params.chat_template to none (raw text) or to a .jinja file")
-        return self._tok.apply_chat_template([dict(m) for m in messages], chat_template=template,
-                                             add_generation_prompt=True, tokenize=False)
+            raise ModelLoadError(
+                f"model.path {self.path}: the tokenizer has no chat template; set "
+                "task.params.chat_template to none (raw text) or to a .jinja file"
+            )
+        return self._tok.apply_chat_template(
+            [dict(m) for m in messages], chat_template=template, add_generation_prompt=True, tokenize=False
+        )
 
     def encode_chat(self, messages, template: str | None = None) -> list[int]:
         # The template writes every special token it wants (Llama 3's BOS, ChatML's <|im_start|>):

@@ -21,8 +21,13 @@ class ValueModel(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None) -> torch.Tensor:
         # use_cache: accepted (and ignored) so trainers call the critic like a causal LM
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            output_hidden_states=True, use_cache=False)
+        out = self.backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            output_hidden_states=True,
+            use_cache=False,
+        )
         return self.head(out.hidden_states[-1]).squeeze(-1).float()
 
 

@@ -45,8 +45,8 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 @dataclass(frozen=True, slots=True)
 class RewardResult:
-    value: float            # 0.0 when status != REWARD_OK
-    status: int             # REWARD_OK, REWARD_ERROR, REWARD_TIMEOUT
+    value: float  # 0.0 when status != REWARD_OK
+    status: int  # REWARD_OK, REWARD_ERROR, REWARD_TIMEOUT
     error: str | None = None  # one line: "TypeName: message", "timed out after Xs", "worker died (exit code N)"
 
     @property
@@ -74,7 +74,7 @@ class _Worker:
             (n,) = _HEADER.unpack_from(buf, pos)
             if len(buf) - pos - 4 < n:
                 break
-            out.append(pickle.loads(memoryview(buf)[pos + 4: pos + 4 + n]))
+            out.append(pickle.loads(memoryview(buf)[pos + 4 : pos + 4 + n]))
             pos += 4 + n
         if pos:
             del buf[:pos]
@@ -140,11 +140,20 @@ class RewardPool:
     name: how errors name the reward (e.g. "task.reward 'my_pkg:reward'").
     """
 
-    def __init__(self, factory: str, args: tuple = (), n_workers: int = 2, timeout_s: float = 10.0,
-                 name: str = "reward", start_timeout_s: float = 300.0):
+    def __init__(
+        self,
+        factory: str,
+        args: tuple = (),
+        n_workers: int = 2,
+        timeout_s: float = 10.0,
+        name: str = "reward",
+        start_timeout_s: float = 300.0,
+    ):
         if not isinstance(factory, str) or ":" not in factory:
-            raise RewardFatal(f"{name}: reward factory must be 'package.module:function' or "
-                              f"'path/to/file.py:function', got {factory!r}")
+            raise RewardFatal(
+                f"{name}: reward factory must be 'package.module:function' or "
+                f"'path/to/file.py:function', got {factory!r}"
+            )
         if int(n_workers) < 1:
             raise ValueError(f"n_workers must be >= 1, got {n_workers}")
         if not (timeout_s > 0 and math.isfinite(timeout_s)):
@@ -158,15 +167,24 @@ class RewardPool:
         try:
             self._init_msg = self._frame(("init", factory, self.args, name, list(sys.path)))
         except Exception as exc:
-            raise RewardFatal(f"{name}: the arguments of reward factory '{factory}' must be plain picklable data: "
-                              f"{type(exc).__name__}: {exc}") from None
+            raise RewardFatal(
+                f"{name}: the arguments of reward factory '{factory}' must be plain picklable data: "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
         self._lock = threading.Lock()
         self._sel = selectors.DefaultSelector()
         self._workers: list[_Worker] = []
         self._procs: list[subprocess.Popen] = []  # shared with the finalizer (which must not reference self)
         self._closed = False
-        self._counts = {"jobs": 0, "ok": 0, "errors": 0, "timeouts": 0, "worker_deaths": 0, "workers_started": 0,
-                        "score_seconds": 0.0}
+        self._counts = {
+            "jobs": 0,
+            "ok": 0,
+            "errors": 0,
+            "timeouts": 0,
+            "worker_deaths": 0,
+            "workers_started": 0,
+            "score_seconds": 0.0,
+        }
         self._finalizer = weakref.finalize(self, _shutdown, self._procs, os.getpid())
         try:
             self._fill()
@@ -260,8 +278,13 @@ class RewardPool:
         paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         if _PACKAGE_ROOT not in paths:  # so `-m rollout_hpc.rewards.worker` resolves to this very package
             env["PYTHONPATH"] = os.pathsep.join([*paths, _PACKAGE_ROOT])
-        proc = subprocess.Popen([sys.executable, "-m", "rollout_hpc.rewards.worker", str(os.getpid())],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rollout_hpc.rewards.worker", str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            bufsize=0,
+        )
         self._procs.append(proc)
         self._counts["workers_started"] += 1
         w = _Worker(proc)
@@ -319,8 +342,10 @@ class RewardPool:
         now = time.monotonic()
         for w in self._workers:
             if not w.ready and now - w.started > self.start_timeout_s:
-                raise self._fatal(f"{self.name}: reward factory '{self.factory}' did not finish within "
-                                  f"{self.start_timeout_s:g}s in a reward worker")
+                raise self._fatal(
+                    f"{self.name}: reward factory '{self.factory}' did not finish within "
+                    f"{self.start_timeout_s:g}s in a reward worker"
+                )
 
     def _run(self, jobs: list[tuple[Any, str]]) -> list[RewardResult | None]:
         n = len(jobs)
@@ -379,8 +404,9 @@ class RewardPool:
             raise self._fatal(f"{self.name}: reward factory '{self.factory}' failed in the reward worker: {msg[1]}")
         job_id, status, payload = msg
         if not w.outstanding or w.outstanding[0] != job_id or results is None:
-            raise self._fatal(f"{self.name}: reward worker {w.proc.pid} answered job {job_id} out of turn "
-                              "(protocol error)")
+            raise self._fatal(
+                f"{self.name}: reward worker {w.proc.pid} answered job {job_id} out of turn (protocol error)"
+            )
         w.outstanding.popleft()
         w.head_start = now
         remaining[0] -= 1
@@ -402,15 +428,19 @@ class RewardPool:
             key_text = key_text[:77] + "..."
         if len(text_text) > 80:
             text_text = text_text[:77] + "..."
-        return (f"{self.name} returned {what}; {rule} (reward factory '{self.factory}', key {key_text}, "
-                f"response {text_text})")
+        return (
+            f"{self.name} returned {what}; {rule} (reward factory '{self.factory}', key {key_text}, "
+            f"response {text_text})"
+        )
 
     def _on_death(self, w: _Worker, results, remaining, pending) -> None:
         was_ready = w.ready
         code = self._drop(w)
         if not was_ready:
-            raise self._fatal(f"{self.name}: a reward worker for factory '{self.factory}' exited while building the "
-                              f"reward function ({_exit_text(code)}; its stderr is in the rank's log)")
+            raise self._fatal(
+                f"{self.name}: a reward worker for factory '{self.factory}' exited while building the "
+                f"reward function ({_exit_text(code)}; its stderr is in the rank's log)"
+            )
         self._counts["worker_deaths"] += 1
         if w.outstanding and results is not None:
             head = w.outstanding.popleft()

@@ -20,11 +20,11 @@ from __future__ import annotations
 import math
 import numbers
 import re
+from collections.abc import Callable, Mapping
 from functools import lru_cache
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from rollout_hpc.errors import RewardSpecError
-
 
 # ---------------------------------------------------------------------------------------------------- answers
 
@@ -127,6 +127,7 @@ def _same_text(candidate: str, gold: str) -> bool:
 
 # ---------------------------------------------------------------------------------------------------- exact
 
+
 def exact_reward(response: str, answer: Any) -> float:
     """1.0 when the whole response, normalized (see `normalize_text`), equals one gold answer; numbers compare as
     numbers ("7" == "7.0" == "7."). Else 0.0."""
@@ -138,6 +139,7 @@ def exact_reward(response: str, answer: Any) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------- regex
+
 
 def _compile(pattern: str, what: str) -> re.Pattern:
     if isinstance(pattern, re.Pattern):
@@ -157,10 +159,11 @@ def regex_reward(pattern: str) -> Callable[[str, Any], float]:
     rx = _compile(pattern, "reward regex")
 
     if rx.groups:
+
         def reward(response: str, answer: Any) -> float:
             try:
                 last = None
-                for last in rx.finditer(response or ""):
+                for last in rx.finditer(response or ""):  # noqa: B007 - the last match is what is wanted
                     pass
                 if last is None or last.group(1) is None:
                     return 0.0
@@ -168,6 +171,7 @@ def regex_reward(pattern: str) -> Callable[[str, Any], float]:
             except Exception:
                 return 0.0
     else:
+
         def reward(response: str, answer: Any) -> float:
             try:
                 return 1.0 if rx.search(response or "") else 0.0
@@ -208,7 +212,7 @@ def last_number(text: str) -> str | None:
     if not text:
         return None
     found = None
-    for found in _NUMBER_IN_TEXT.finditer(text):
+    for found in _NUMBER_IN_TEXT.finditer(text):  # noqa: B007 - the last number is what is wanted
         pass
     return None if found is None else found.group(0).replace(",", "")
 
@@ -279,6 +283,7 @@ def math_reward(response: str, answer: Any) -> float:
 
 # --------------------------------------------------------------------------------------------------- format
 
+
 def format_ok(response: str, kind: str | re.Pattern) -> bool:
     """True when the response has the expected answer format: kind "math" -> it contains a complete
     `\\boxed{...}`; any other kind is a regular expression that must occur in the response."""
@@ -299,8 +304,9 @@ def is_builtin_reward(spec: Any) -> bool:
     return isinstance(spec, str) and (spec in BUILTIN_REWARDS or spec.startswith("regex:"))
 
 
-def builtin_reward(spec: str, format_weight: float = 0.0,
-                   format_pattern: str | None = None) -> Callable[[Any, str], float] | None:
+def builtin_reward(
+    spec: str, format_weight: float = 0.0, format_pattern: str | None = None
+) -> Callable[[Any, str], float] | None:
     """The built-in reward `spec` names, as `fn(answer, response) -> float`, or None when spec is not a built-in
     (then it is a plugin spec). The reward is `correctness + format_weight * format_ok(response, kind)` where kind
     is format_pattern if given, else "math" for math and the reward's own pattern for regex; "exact" with a
@@ -311,7 +317,7 @@ def builtin_reward(spec: str, format_weight: float = 0.0,
     if not is_builtin_reward(spec):
         return None
     if spec.startswith("regex:"):
-        pattern = spec[len("regex:"):]
+        pattern = spec[len("regex:") :]
         if not pattern:
             raise RewardSpecError(f"reward '{spec}': the regex after 'regex:' is empty")
         correctness = regex_reward(pattern)
@@ -329,15 +335,18 @@ def builtin_reward(spec: str, format_weight: float = 0.0,
         raise RewardSpecError(f"reward '{spec}': format weight must be finite, got {format_weight!r}")
     kind = format_pattern if format_pattern else default_format
     if weight != 0.0 and kind is None:
-        raise RewardSpecError(f"reward '{spec}': a format weight needs a format pattern (a regex the response must "
-                              "contain)")
+        raise RewardSpecError(
+            f"reward '{spec}': a format weight needs a format pattern (a regex the response must contain)"
+        )
     if kind is not None and kind != "math":
         kind = _compile(kind, f"reward '{spec}': format pattern")
 
     if weight == 0.0:
+
         def reward(answer: Any, response: str) -> float:
             return correctness(response, answer)
     else:
+
         def reward(answer: Any, response: str) -> float:
             return correctness(response, answer) + weight * float(format_ok(response, kind))
 
@@ -346,8 +355,9 @@ def builtin_reward(spec: str, format_weight: float = 0.0,
     return reward
 
 
-def reward_factory(spec: str, format_weight: float = 0.0, format_pattern: str | None = None,
-                   field: str = "task.reward") -> Callable[[Any, str], float]:
+def reward_factory(
+    spec: str, format_weight: float = 0.0, format_pattern: str | None = None, field: str = "task.reward"
+) -> Callable[[Any, str], float]:
     """The reward a config names, built-in or plugin, as `fn(answer_or_item, response) -> float`: the RewardPool
     factory for any reward spec, `RewardPool("rollout_hpc.rewards.verifiers:reward_factory", (spec, w, pattern))`.
     A plugin ('package.module:fn' or 'path/to/file.py:fn') is returned unwrapped (the pool checks its values: NaN or
@@ -359,14 +369,16 @@ def reward_factory(spec: str, format_weight: float = 0.0, format_pattern: str | 
 
     plugin = load_plugin(spec, field)
     if not callable(plugin):
-        raise PluginError(f"{field} '{spec}' is a {type(plugin).__name__}, not a function fn(prompt_item, "
-                          "response_text) -> float")
+        raise PluginError(
+            f"{field} '{spec}' is a {type(plugin).__name__}, not a function fn(prompt_item, response_text) -> float"
+        )
     weight = float(format_weight or 0.0)
     if weight == 0.0:
         return plugin
     if not format_pattern:
-        raise RewardSpecError(f"{field} '{spec}': a format weight needs a format pattern (a regex the response must "
-                              "contain)")
+        raise RewardSpecError(
+            f"{field} '{spec}': a format weight needs a format pattern (a regex the response must contain)"
+        )
     rx = _compile(format_pattern, f"{field} '{spec}': format pattern")
 
     def reward(item: Any, response: str):

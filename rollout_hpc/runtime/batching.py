@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from rollout_hpc import algos
-from rollout_hpc.trajectory import TrajectoryBatch
 from rollout_hpc.runtime import step_plan
+from rollout_hpc.trajectory import TrajectoryBatch
 
 
 class StalenessError(RuntimeError):
@@ -81,7 +81,9 @@ def collate(batch: TrajectoryBatch, pad_id: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-def add_advantages(cfg, tensors: dict, ref_logprobs: torch.Tensor | None, values: torch.Tensor | None = None) -> dict[str, float]:
+def add_advantages(
+    cfg, tensors: dict, ref_logprobs: torch.Tensor | None, values: torch.Tensor | None = None
+) -> dict[str, float]:
     """Put per-token advantages (and the reference log-probs) into `tensors`; returns batch stats.
     With a critic's `values` (PPO), also its targets: tensors['old_values'] and tensors['returns'].
 
@@ -92,7 +94,9 @@ def add_advantages(cfg, tensors: dict, ref_logprobs: torch.Tensor | None, values
     rewards = step_plan.shaped_rewards(cfg, tensors["rewards"], tensors["response_len"])
     params = {}
     if spec.kl_in == "reward" and a.kl_coef > 0:
-        params.update(logprobs=tensors["old_logprobs"], ref_logprobs=ref_logprobs, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator)
+        params.update(
+            logprobs=tensors["old_logprobs"], ref_logprobs=ref_logprobs, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator
+        )
     params.update(gamma=a.gamma, lam=a.lam)  # estimators take what they use (algos.compute_advantages)
     if spec.needs_critic:
         params.update(values=values)
@@ -121,7 +125,9 @@ def make_loss_fn(cfg):
 
     def loss_fn(logp: torch.Tensor, ent: torch.Tensor, b: dict):
         mask = b["mask"]
-        loss, stats = algos.policy_loss(logp, b["old_logprobs"], b["advantages"], mask, a.clip_eps, clip_high, a.loss_agg)
+        loss, stats = algos.policy_loss(
+            logp, b["old_logprobs"], b["advantages"], mask, a.clip_eps, clip_high, a.loss_agg
+        )
         if "ref_logprobs" in b:
             kl = algos.aggregate(algos.kl_penalty(logp, b["ref_logprobs"], a.kl_estimator), mask, a.loss_agg)
             if spec.kl_in == "loss":

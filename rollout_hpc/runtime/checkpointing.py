@@ -77,7 +77,9 @@ class Checkpointer:
         keep = self.cfg.checkpoint.keep_last
         path = None
         if trainer.sharded_checkpoint:
-            entry = store.save_shard(self.run_dir, steps_done, self.world.group_rank, self.world.group_size, state, meta)
+            entry = store.save_shard(
+                self.run_dir, steps_done, self.world.group_rank, self.world.group_size, state, meta
+            )
             entries = g.gather(entry, root=0)
             if self.world.group_rank == 0:
                 path = store.commit_shards(self.run_dir, steps_done, entries, meta, keep_last=keep)
@@ -86,8 +88,11 @@ class Checkpointer:
         g.Barrier()
         self._last_save = time.monotonic()
         if path is not None and self.stop_requested:
-            print(f"rollout-hpc: stop requested: saved {path} after step {steps_done}; a resume continues from there",
-                  file=sys.stderr, flush=True)
+            print(
+                f"rollout-hpc: stop requested: saved {path} after step {steps_done}; a resume continues from there",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def resume(self, trainer) -> int:
         """Load the newest valid checkpoint into `trainer`; returns the steps already done (0 if none).
@@ -133,7 +138,8 @@ class Checkpointer:
                     if "n_shards" not in found[0][2]:
                         raise store.CheckpointError(
                             f"{info.path} was written by the replicated '{found[0][2].get('backend')}' trainer, not one "
-                            f"shard per rank: resume with trainer.backend={found[0][2].get('backend')}")
+                            f"shard per rank: resume with trainer.backend={found[0][2].get('backend')}"
+                        )
             except store.CheckpointCorrupt as exc:
                 error = str(exc)
             n = g.bcast(None if error else int(found[0][2]["n_shards"]) if r == 0 else None, root=0)

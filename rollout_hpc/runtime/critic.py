@@ -81,6 +81,8 @@ class PolicyAndCritic:
 
     def load_checkpoint_state(self, state: dict) -> None:
         if "critic" not in state:
-            raise CriticError("the checkpoint has no critic state (saved by a run without one); start a new run for PPO")
+            raise CriticError(
+                "the checkpoint has no critic state (saved by a run without one); start a new run for PPO"
+            )
         self.critic.load_checkpoint_state(state["critic"])
         self.policy.load_checkpoint_state(state)

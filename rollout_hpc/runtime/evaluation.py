@@ -23,7 +23,9 @@ import numpy as np
 from rollout_hpc.rewards import REWARD_OK
 
 EVAL_TAG = 7707
-_EVAL_SEED = 0xE7A1  # eval samples draw from their own seed stream: derive_seed(run.seed, _EVAL_SEED, point, prompt, sample)
+_EVAL_SEED = (
+    0xE7A1  # eval samples draw from their own seed stream: derive_seed(run.seed, _EVAL_SEED, point, prompt, sample)
+)
 
 
 def eval_points(cfg) -> list[int]:
@@ -89,8 +91,9 @@ class Evaluator:
         self.eval_comm, self.logger_rank = eval_comm, logger_rank
         e, a = cfg.eval, cfg.algorithm
         self.k = e.samples_per_prompt
-        self.params = replace(gen.sampling, greedy=e.greedy and self.k == 1,
-                              max_new_tokens=e.max_new_tokens or a.max_new_tokens)
+        self.params = replace(
+            gen.sampling, greedy=e.greedy and self.k == 1, max_new_tokens=e.max_new_tokens or a.max_new_tokens
+        )
         n = len(rows) if e.max_prompts is None else min(len(rows), e.max_prompts)
         self.mine = np.array_split(np.arange(n), world.group_size)[world.group_rank]
         self.chunk = max(64, a.prompts_per_step * a.group_size)  # rows per generate call: bounds memory
@@ -103,7 +106,7 @@ class Evaluator:
         tokens = {int(i): self.gen.encode_prompt(self.rows[int(i)]) for i in self.mine}
         rewards, statuses, lengths = [], [], []
         for lo in range(0, len(rows), self.chunk):
-            part = rows[lo: lo + self.chunk]
+            part = rows[lo : lo + self.chunk]
             seeds = [self.derive_seed(self.cfg.run.seed, _EVAL_SEED, point, i, s) for i, s in part]
             out = self.gen.generate([tokens[i] for i, _ in part], seeds, self.params)
             texts = [self.gen.tokenizer.decode(ids) for ids in out.response_ids]
@@ -122,9 +125,11 @@ class Evaluator:
 
 
 def eval_line(m: dict[str, float]) -> str:
-    line = (f"eval step {int(m['step'])}  accuracy {m['accuracy']:.3f}  pass@{int(m['k'])} {m['pass_at_k']:.3f}  "
-            f"reward {m['mean_reward']:.3f}  len {m['response_len_mean']:.1f}  ({int(m['prompts'])} prompts x {int(m['k'])}, "
-            f"{m['eval_time']:.1f}s)")
+    line = (
+        f"eval step {int(m['step'])}  accuracy {m['accuracy']:.3f}  pass@{int(m['k'])} {m['pass_at_k']:.3f}  "
+        f"reward {m['mean_reward']:.3f}  len {m['response_len_mean']:.1f}  ({int(m['prompts'])} prompts x {int(m['k'])}, "
+        f"{m['eval_time']:.1f}s)"
+    )
     return line + (f"  reward errors {int(m['reward_errors'])}" if m.get("reward_errors") else "")
 
 

@@ -88,8 +88,15 @@ def make_generator(cfg, model, tokenizer, task):
     if cfg.generator.backend == "vllm":
         from rollout_hpc.backends.generate_vllm import VLLMGenerator
 
-        return VLLMGenerator(cfg.model, tokenizer, task, sampling, cfg.run.seed, cfg.generator.tensor_parallel,
-                             model=model if cfg.model.path is None else None)
+        return VLLMGenerator(
+            cfg.model,
+            tokenizer,
+            task,
+            sampling,
+            cfg.run.seed,
+            cfg.generator.tensor_parallel,
+            model=model if cfg.model.path is None else None,
+        )
     return HFGenerator(model, tokenizer, task, sampling, seed=cfg.run.seed)
 
 
@@ -108,9 +115,17 @@ def generate_unscored(gen, dataset, prompt_indices, group_size: int, gen_rank: i
     prompts = [tokens[i] for i, _ in rows]
     out = gen.generate(prompts, [derive_seed(gen.seed, i, s) for i, s in rows])
     batch = trajectory_batch(
-        prompts, out.response_ids, out.logprobs, [0.0] * len(rows), truncated=out.truncated,
-        prompt_index=[r[0] for r in rows], sample_idx=[r[1] for r in rows], gen_rank=gen_rank,
-        policy_version=version, t_start=t_start, t_end=t_start,
+        prompts,
+        out.response_ids,
+        out.logprobs,
+        [0.0] * len(rows),
+        truncated=out.truncated,
+        prompt_index=[r[0] for r in rows],
+        sample_idx=[r[1] for r in rows],
+        gen_rank=gen_rank,
+        policy_version=version,
+        t_start=t_start,
+        t_end=t_start,
     )
     return batch, [("train", i) for i, _ in rows], [gen.tokenizer.decode(ids) for ids in out.response_ids]
 
@@ -140,8 +155,13 @@ def reward_pool(cfg, task, run_dir: Path):
 
     data_dir = run_dir / "data"
     args = (cfg.task.model_dump(mode="json"), cfg.run.seed, str(data_dir) if data_dir.is_dir() else None)
-    return RewardPool("rollout_hpc.envs.scoring:task_scorer", args, n_workers=cfg.task.reward_workers,
-                      timeout_s=cfg.task.reward_timeout, name=reward_name(task, cfg.task))
+    return RewardPool(
+        "rollout_hpc.envs.scoring:task_scorer",
+        args,
+        n_workers=cfg.task.reward_workers,
+        timeout_s=cfg.task.reward_timeout,
+        name=reward_name(task, cfg.task),
+    )
 
 
 def make_evaluator(world, cfg, gen, task, workers, eval_comm):

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rollout_hpc.store.trajlog import TrajectoryLog, log_path, read_metrics as read_log_metrics
+from rollout_hpc.store.trajlog import TrajectoryLog, log_path
+from rollout_hpc.store.trajlog import read_metrics as read_log_metrics
 from rollout_hpc.trajectory import TrajectoryBatch
 
 # Fields of the progress line: (metric key, label, format). Names follow store.trajlog.STANDARD_METRICS.

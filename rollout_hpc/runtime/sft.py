@@ -40,8 +40,10 @@ def answer_text(item) -> str:
     if isinstance(answer, (list, tuple)):
         answer = answer[0] if answer else None
     if answer is None:
-        raise DatasetError("warmup.sft_steps trains on the task's answers, but a prompt has none "
-                           f"({getattr(item, 'text', item)!r}); give every row an answer or set warmup.sft_steps: 0")
+        raise DatasetError(
+            "warmup.sft_steps trains on the task's answers, but a prompt has none "
+            f"({getattr(item, 'text', item)!r}); give every row an answer or set warmup.sft_steps: 0"
+        )
     return str(answer)
 
 
@@ -53,9 +55,19 @@ def sft_batch(cfg, task, tokenizer, stream, step: int) -> TrajectoryBatch:
     prompts = [encode_prompt_item(tokenizer, item, getattr(task, "chat_template", "auto")) for item in items]
     targets = [tokenizer.encode(answer_text(item)) + [tokenizer.eos_id] for item in items]
     now = time.time()
-    return trajectory_batch(prompts, targets, [[0.0] * len(t) for t in targets], [0.0] * B,
-                            prompt_index=list(indices), sample_idx=[0] * B, gen_rank=0, policy_version=step,
-                            truncated=[False] * B, t_start=now, t_end=now)
+    return trajectory_batch(
+        prompts,
+        targets,
+        [[0.0] * len(t) for t in targets],
+        [0.0] * B,
+        prompt_index=list(indices),
+        sample_idx=[0] * B,
+        gen_rank=0,
+        policy_version=step,
+        truncated=[False] * B,
+        t_start=now,
+        t_end=now,
+    )
 
 
 def make_sft_loss_fn(cfg):
@@ -66,8 +78,11 @@ def make_sft_loss_fn(cfg):
         mask = b["mask"]
         loss = algos.aggregate(-logp, mask, agg)
         n = mask.sum().clamp(min=1)
-        return loss, {"sft_loss": float(loss.detach()), "entropy": float((ent.detach() * mask).sum() / n),
-                      "sft_token_logp": float((logp.detach() * mask).sum() / n)}
+        return loss, {
+            "sft_loss": float(loss.detach()),
+            "entropy": float((ent.detach() * mask).sum() / n),
+            "sft_token_logp": float((logp.detach() * mask).sum() / n),
+        }
 
     return loss_fn
 

@@ -46,7 +46,7 @@ class StepPlan:
         self.done = max_rounds == 1  # without refills the first round is the whole step
 
     @classmethod
-    def for_step(cls, cfg, step: int) -> "StepPlan":
+    def for_step(cls, cfg, step: int) -> StepPlan:
         a = cfg.algorithm
         return cls(step, a.prompts_per_step, a.dynamic_sampling_max_rounds if uses_dynamic_sampling(cfg) else 1)
 

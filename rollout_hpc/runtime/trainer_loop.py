@@ -19,12 +19,12 @@ import torch
 
 from rollout_hpc import algos
 from rollout_hpc.backends.trainer import make_trainer, score_tokens
-from rollout_hpc.trajectory import TrajectoryBatch
 from rollout_hpc.runtime import batching, checkpointing, sft
 from rollout_hpc.runtime.critic import Critic, PolicyAndCritic
 from rollout_hpc.runtime.evaluation import EvalReceiver
 from rollout_hpc.runtime.metrics import MetricsSink, batch_metrics
 from rollout_hpc.runtime.step_plan import StepPlan, informative_groups
+from rollout_hpc.trajectory import TrajectoryBatch
 
 
 class StepReceiver:
@@ -63,7 +63,8 @@ class StepReceiver:
             if not sum(len(b) for b in new) and self.exchange.ended:
                 raise batching.StalenessError(
                     f"step {step}: the generators ended the stream with {have} of the {need} records of prompts "
-                    f"[{prompts.start}, {prompts.stop}) sent")
+                    f"[{prompts.start}, {prompts.stop}) sent"
+                )
             self.pool = TrajectoryBatch.concat([self.pool, *new])
 
     def get(self, step: int) -> tuple[TrajectoryBatch, StepPlan]:
@@ -126,14 +127,28 @@ class SFTPhase:
         if self.sink is not None:
             period = time.perf_counter() - t0
             f = batch.fixed
-            stats.update(samples=float(len(batch)), response_len_mean=float(f["response_len"].mean()),
-                         train_time=period, step_time=period, policy_version=float(step + 1),
-                         tokens_per_s=float(f["response_len"].sum() + f["prompt_len"].sum()) / max(period, 1e-9))
+            stats.update(
+                samples=float(len(batch)),
+                response_len_mean=float(f["response_len"].mean()),
+                train_time=period,
+                step_time=period,
+                policy_version=float(step + 1),
+                tokens_per_s=float(f["response_len"].sum() + f["prompt_len"].sum()) / max(period, 1e-9),
+            )
             self.sink.write_metrics(step, self.cfg.total_steps, stats, label="sft step")
 
 
-def run_trainer(world, cfg, run_dir: Path, model: torch.nn.Module, exchange, weights, quiet: bool = False,
-                eval_comm=None, tokenizer=None) -> int:
+def run_trainer(
+    world,
+    cfg,
+    run_dir: Path,
+    model: torch.nn.Module,
+    exchange,
+    weights,
+    quiet: bool = False,
+    eval_comm=None,
+    tokenizer=None,
+) -> int:
     a = cfg.algorithm
     spec = algos.get_algorithm(a.name)
     initial = copy.deepcopy(model) if a.kl_coef > 0 else None  # before a backend shards or moves the model
@@ -178,13 +193,19 @@ def run_trainer(world, cfg, run_dir: Path, model: torch.nn.Module, exchange, wei
             batching.check_staleness(batch, step, cfg.exchange.max_staleness)
 
             tensors = batching.collate(batch)
-            ref_lp = reference.logprobs(tensors["input_ids"], tensors["attention_mask"], tensors["mask"]) if reference else None
+            ref_lp = (
+                reference.logprobs(tensors["input_ids"], tensors["attention_mask"], tensors["mask"])
+                if reference
+                else None
+            )
             values = critic.values(tensors["input_ids"], tensors["attention_mask"]) if critic else None
             adv_stats = batching.add_advantages(cfg, tensors, ref_lp, values)
             groups = batching.trainable_groups(tensors["mask"], a.group_size)
             stats = {"generation_rounds": float(plan.rounds)} if plan.max_rounds > 1 else {}
             if len(groups):  # none: every group of every round had equal rewards; the policy stays as it is
-                mine = batching.select_rows(tensors, batching.shard_groups(groups, a.group_size, world.group_rank, world.group_size))
+                mine = batching.select_rows(
+                    tensors, batching.shard_groups(groups, a.group_size, world.group_rank, world.group_size)
+                )
                 stats.update(batching.train_updates(cfg, trainer, critic, mine, loss_fn))
             t_trained = time.perf_counter()
 

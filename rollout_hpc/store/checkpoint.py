@@ -85,13 +85,16 @@ def config_meta(cfg) -> dict[str, Any]:
 
 # --- one file --------------------------------------------------------------------
 
+
 def _meta_json(step: int, meta: dict | None) -> str:
     full = {**(meta or {}), "step": step, "libraries": library_versions()}
     full.setdefault("created", time.time())
     try:  # numpy scalars (a step or version read from an array) are welcome as plain numbers
         return json.dumps(full, sort_keys=True, default=lambda o: o.item() if isinstance(o, np.generic) else _refuse(o))
     except TypeError as exc:
-        raise CheckpointError(f"checkpoint meta must be JSON-serializable (numbers, strings, lists, dicts): {exc}") from None
+        raise CheckpointError(
+            f"checkpoint meta must be JSON-serializable (numbers, strings, lists, dicts): {exc}"
+        ) from None
 
 
 def _refuse(value: Any):
@@ -124,14 +127,18 @@ def _open(path: Path) -> h5py.File:
     try:
         f = h5py.File(path, "r")
     except OSError as exc:
-        raise CheckpointCorrupt(f"{path.name}: cannot be opened as HDF5 (truncated or damaged: {str(exc).splitlines()[0]})") from None
+        raise CheckpointCorrupt(
+            f"{path.name}: cannot be opened as HDF5 (truncated or damaged: {str(exc).splitlines()[0]})"
+        ) from None
     if f.attrs.get("format") != FORMAT:
         f.close()
         raise CheckpointCorrupt(f"{path.name}: not a rollout-hpc checkpoint (no format attribute '{FORMAT}')")
     version = int(f.attrs.get("format_version", -1))
     if version != FORMAT_VERSION:
         f.close()
-        raise CheckpointError(f"{path.name}: checkpoint format version {version}; this rollout-hpc reads {FORMAT_VERSION}")
+        raise CheckpointError(
+            f"{path.name}: checkpoint format version {version}; this rollout-hpc reads {FORMAT_VERSION}"
+        )
     return f
 
 
@@ -156,15 +163,20 @@ def read_checkpoint_file(path: str | Path) -> tuple[dict, dict]:
     except CheckpointError:
         raise
     except (OSError, KeyError, ValueError, RuntimeError) as exc:
-        raise CheckpointCorrupt(f"{path.name}: unreadable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+        raise CheckpointCorrupt(
+            f"{path.name}: unreadable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from None
     if actual != expected:
-        raise CheckpointCorrupt(f"{path.name}: content checksum mismatch (the file was modified or damaged after it was written)")
+        raise CheckpointCorrupt(
+            f"{path.name}: content checksum mismatch (the file was modified or damaged after it was written)"
+        )
     meta = json.loads(meta_json)
     meta["content_checksum"] = actual
     return state, meta
 
 
 # --- run directory: save, list, prune, load ------------------------------------------
+
 
 def save_checkpoint(run_dir: str | Path, step: int, state: dict, meta: dict | None = None, keep_last: int = 3) -> Path:
     """Save RUN_DIR/checkpoints/step-XXXXXXXX.h5 atomically and keep the newest `keep_last`."""
@@ -180,26 +192,40 @@ def shard_file_name(shard: int, n_shards: int) -> str:
     return f"shard-{shard:05d}-of-{n_shards:05d}.h5"
 
 
-def save_shard(run_dir: str | Path, step: int, shard: int, n_shards: int, state: dict, meta: dict | None = None) -> dict:
+def save_shard(
+    run_dir: str | Path, step: int, shard: int, n_shards: int, state: dict, meta: dict | None = None
+) -> dict:
     """Write one rank's shard of a sharded checkpoint; returns the manifest entry for `commit_shards`."""
     if not 0 <= shard < n_shards:
         raise ValueError(f"shard {shard} is not in 0..{n_shards - 1}")
     directory = checkpoint_dir(run_dir) / step_name(step)
     directory.mkdir(parents=True, exist_ok=True)
     name = shard_file_name(shard, n_shards)
-    checksum = write_checkpoint_file(directory / name, step, state, {**(meta or {}), "shard": shard, "n_shards": n_shards})
+    checksum = write_checkpoint_file(
+        directory / name, step, state, {**(meta or {}), "shard": shard, "n_shards": n_shards}
+    )
     return {"shard": shard, "file": name, "content_checksum": checksum}
 
 
-def commit_shards(run_dir: str | Path, step: int, entries: list[dict], meta: dict | None = None, keep_last: int = 3) -> Path:
+def commit_shards(
+    run_dir: str | Path, step: int, entries: list[dict], meta: dict | None = None, keep_last: int = 3
+) -> Path:
     """Publish a sharded checkpoint once every rank's `save_shard` returned (gather the entries first)."""
     entries = sorted(entries, key=lambda e: e["shard"])
     n = len(entries)
     if [e["shard"] for e in entries] != list(range(n)):
-        raise CheckpointError(f"step {step}: shard entries {[e['shard'] for e in entries]} are not 0..{n - 1}; gather one per rank")
+        raise CheckpointError(
+            f"step {step}: shard entries {[e['shard'] for e in entries]} are not 0..{n - 1}; gather one per rank"
+        )
     directory = checkpoint_dir(run_dir) / step_name(step)
-    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step, "n_shards": n,
-                "shards": entries, "meta": json.loads(_meta_json(step, meta))}
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "n_shards": n,
+        "shards": entries,
+        "meta": json.loads(_meta_json(step, meta)),
+    }
     atomic.write_text_atomic(directory / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
     atomic.fsync_dir(directory.parent)
     prune(run_dir, keep_last)
@@ -242,7 +268,9 @@ def _load_sharded(directory: Path, shard: int | None) -> tuple[Path, dict, dict]
         raise CheckpointCorrupt(f"{directory.name}/{MANIFEST}: unreadable ({exc})") from None
     n = manifest["n_shards"]
     if shard is None or not 0 <= shard < n:
-        raise CheckpointError(f"{directory.name} is sharded into {n} files; load it with shard=<this rank's shard, 0..{n - 1}>")
+        raise CheckpointError(
+            f"{directory.name} is sharded into {n} files; load it with shard=<this rank's shard, 0..{n - 1}>"
+        )
     for entry in manifest["shards"]:  # every shard must be present and be the file the manifest names
         path = directory / entry["file"]
         if not path.is_file():
@@ -297,6 +325,7 @@ def every_checkpoint_damaged(run_dir: str | Path, damaged: list[str]) -> Checkpo
 
 # --- digests and compatibility -----------------------------------------------------
 
+
 def weights_digest(state: dict) -> str:
     """SHA-256 over the model weights (state['model'] or state['weights'], else the mapping itself)
     in sorted-name order: equal digests mean bitwise-equal weights, across runs and machines."""
@@ -349,16 +378,20 @@ def check_compatible(meta: dict, config: Any, force: bool = False) -> list[str]:
     a, b = _flatten(saved), _flatten(now)
     changed = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
     diffs = [f"{k}: {a.get(k, '<unset>')!r} -> {b.get(k, '<unset>')!r}" for k in changed]
-    blocking = [d for k, d in zip(changed, diffs) if k.split(".")[0] in IDENTITY_SECTIONS and k not in RESUMABLE_CHANGES]
+    blocking = [
+        d for k, d in zip(changed, diffs) if k.split(".")[0] in IDENTITY_SECTIONS and k not in RESUMABLE_CHANGES
+    ]
     if blocking and not force:
         raise ConfigMismatch(
-            "the checkpoint was written under a different config: " + "; ".join(blocking)
+            "the checkpoint was written under a different config: "
+            + "; ".join(blocking)
             + ". Resume with the original config, or pass --force to load it anyway"
         )
     return diffs
 
 
 # --- when to save ------------------------------------------------------------------
+
 
 @dataclass
 class CheckpointPolicy:
@@ -369,7 +402,7 @@ class CheckpointPolicy:
     last_saved: float = field(default_factory=time.monotonic)
 
     @classmethod
-    def from_config(cls, section) -> "CheckpointPolicy":
+    def from_config(cls, section) -> CheckpointPolicy:
         return cls(section.every_steps, section.every_minutes)
 
     def due(self, step: int, now: float | None = None) -> bool:

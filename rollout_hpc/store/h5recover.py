@@ -30,12 +30,24 @@ def lookup3(data: bytes, initval: int = 0) -> int:
         a = (a + int.from_bytes(data[i : i + 4], "little")) & _M
         b = (b + int.from_bytes(data[i + 4 : i + 8], "little")) & _M
         c = (c + int.from_bytes(data[i + 8 : i + 12], "little")) & _M
-        a = (a - c) & _M; a ^= _rot(c, 4); c = (c + b) & _M  # noqa: E702 - the mix rounds read best as in the reference
-        b = (b - a) & _M; b ^= _rot(a, 6); a = (a + c) & _M  # noqa: E702
-        c = (c - b) & _M; c ^= _rot(b, 8); b = (b + a) & _M  # noqa: E702
-        a = (a - c) & _M; a ^= _rot(c, 16); c = (c + b) & _M  # noqa: E702
-        b = (b - a) & _M; b ^= _rot(a, 19); a = (a + c) & _M  # noqa: E702
-        c = (c - b) & _M; c ^= _rot(b, 4); b = (b + a) & _M  # noqa: E702
+        a = (a - c) & _M
+        a ^= _rot(c, 4)
+        c = (c + b) & _M  # noqa: E702 - the mix rounds read best as in the reference
+        b = (b - a) & _M
+        b ^= _rot(a, 6)
+        a = (a + c) & _M  # noqa: E702
+        c = (c - b) & _M
+        c ^= _rot(b, 8)
+        b = (b + a) & _M  # noqa: E702
+        a = (a - c) & _M
+        a ^= _rot(c, 16)
+        c = (c + b) & _M  # noqa: E702
+        b = (b - a) & _M
+        b ^= _rot(a, 19)
+        a = (a + c) & _M  # noqa: E702
+        c = (c - b) & _M
+        c ^= _rot(b, 4)
+        b = (b + a) & _M  # noqa: E702
         i += 12
         length -= 12
     if length == 0:
@@ -44,13 +56,20 @@ def lookup3(data: bytes, initval: int = 0) -> int:
     a = (a + int.from_bytes(tail[0:4], "little")) & _M
     b = (b + int.from_bytes(tail[4:8], "little")) & _M
     c = (c + int.from_bytes(tail[8:12], "little")) & _M
-    c ^= b; c = (c - _rot(b, 14)) & _M  # noqa: E702
-    a ^= c; a = (a - _rot(c, 11)) & _M  # noqa: E702
-    b ^= a; b = (b - _rot(a, 25)) & _M  # noqa: E702
-    c ^= b; c = (c - _rot(b, 16)) & _M  # noqa: E702
-    a ^= c; a = (a - _rot(c, 4)) & _M  # noqa: E702
-    b ^= a; b = (b - _rot(a, 14)) & _M  # noqa: E702
-    c ^= b; c = (c - _rot(b, 24)) & _M  # noqa: E702
+    c ^= b
+    c = (c - _rot(b, 14)) & _M  # noqa: E702
+    a ^= c
+    a = (a - _rot(c, 11)) & _M  # noqa: E702
+    b ^= a
+    b = (b - _rot(a, 25)) & _M  # noqa: E702
+    c ^= b
+    c = (c - _rot(b, 16)) & _M  # noqa: E702
+    a ^= c
+    a = (a - _rot(c, 4)) & _M  # noqa: E702
+    b ^= a
+    b = (b - _rot(a, 14)) & _M  # noqa: E702
+    c ^= b
+    c = (c - _rot(b, 24)) & _M  # noqa: E702
     return c
 
 

@@ -25,8 +25,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import h5py
 import numpy as np
@@ -38,8 +39,13 @@ except ImportError:  # pragma: no cover - torch is installed in every supported 
     torch = None
 
 # torch dtypes numpy cannot hold: stored as the unsigned int of the same width.
-_NUMPY_LACKS = {"bfloat16": np.uint16, "float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8,
-                "float8_e4m3fnuz": np.uint8, "float8_e5m2fnuz": np.uint8}
+_NUMPY_LACKS = {
+    "bfloat16": np.uint16,
+    "float8_e4m3fn": np.uint8,
+    "float8_e5m2": np.uint8,
+    "float8_e4m3fnuz": np.uint8,
+    "float8_e5m2fnuz": np.uint8,
+}
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 _PREAD_MIN = 1 << 20  # datasets from this size on are read with preadv in threads
 _READ_THREADS = 4
@@ -118,7 +124,9 @@ def _write_value(root: h5py.Group, path: str, value: Any, hasher: LeafHasher, in
         names: dict[str, Any] = {}
         for key in value:
             if type(key) not in (str, int):
-                raise StateTypeError(f"/{path}: dict key {key!r} is a {type(key).__name__}; only str and int keys can be saved")
+                raise StateTypeError(
+                    f"/{path}: dict key {key!r} is a {type(key).__name__}; only str and int keys can be saved"
+                )
             name = _escape(str(key))
             if name in names:
                 raise StateTypeError(f"/{path}: keys {names[name]!r} and {key!r} would share the name '{name}'")
@@ -145,8 +153,10 @@ def _write_value(root: h5py.Group, path: str, value: Any, hasher: LeafHasher, in
         try:
             arr, dtype_name = tensor_parts(value)
         except (TypeError, RuntimeError, NotImplementedError) as exc:  # meta tensors, dtypes without numpy twin
-            raise StateTypeError(f"/{path}: a {value.dtype} tensor on {value.device} cannot be saved "
-                                 f"({str(exc).splitlines()[0]}); materialise or convert it first") from None
+            raise StateTypeError(
+                f"/{path}: a {value.dtype} tensor on {value.device} cannot be saved "
+                f"({str(exc).splitlines()[0]}); materialise or convert it first"
+            ) from None
         _leaf(root, path, arr, {"kind": "torch", "torch_dtype": dtype_name}, hasher, index)
     elif isinstance(value, np.ndarray):
         if value.dtype.hasobject:

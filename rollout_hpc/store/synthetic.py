@@ -12,8 +12,17 @@ from rollout_hpc.trajectory import FIXED_DTYPE, TrajectoryBatch
 T0 = 1_700_000_000.0
 
 
-def synthetic_batch(rng: np.random.Generator, n: int, step: int, group_size: int = 4, max_new_tokens: int = 16,
-                    prompt_len: int = 8, vocab: int = 64, multi_turn: bool = False, lag: int = 0) -> TrajectoryBatch:
+def synthetic_batch(
+    rng: np.random.Generator,
+    n: int,
+    step: int,
+    group_size: int = 4,
+    max_new_tokens: int = 16,
+    prompt_len: int = 8,
+    vocab: int = 64,
+    multi_turn: bool = False,
+    lag: int = 0,
+) -> TrajectoryBatch:
     """n trajectories of train step `step`: rewards that improve with the step, lengths up to max_new_tokens."""
     fixed = np.zeros(n, FIXED_DTYPE)
     fixed["prompt_id"] = step * (n // group_size + 1) + np.arange(n) // group_size
@@ -48,22 +57,39 @@ def synthetic_batch(rng: np.random.Generator, n: int, step: int, group_size: int
     )
 
 
-def write_synthetic_log(path: str | Path, steps: int, per_step: int, seed: int = 0, restart_at: int | None = None,
-                        **batch_kw) -> None:
+def write_synthetic_log(
+    path: str | Path, steps: int, per_step: int, seed: int = 0, restart_at: int | None = None, **batch_kw
+) -> None:
     """A complete trajectory log of `steps` steps with per-step metrics (one restart at `restart_at`)."""
     rng = np.random.default_rng(seed)
-    meta = {"run_name": "synthetic", "group_size": batch_kw.get("group_size", 4),
-            "max_new_tokens": batch_kw.get("max_new_tokens", 16), "max_staleness": batch_kw.get("lag", 0)}
+    meta = {
+        "run_name": "synthetic",
+        "group_size": batch_kw.get("group_size", 4),
+        "max_new_tokens": batch_kw.get("max_new_tokens", 16),
+        "max_staleness": batch_kw.get("lag", 0),
+    }
     log = TrajectoryLog.open_for_append(path, meta)
     try:
         for step in range(steps):
             allocation = int(restart_at is not None and step >= restart_at)
             batch = synthetic_batch(rng, per_step, step, **batch_kw)
             log.append(batch, step)
-            log.append_metrics(step, {
-                "time": T0 + 2.0 * step + 1.65, "kl": 0.01 * step / steps, "entropy": 2.0 - step / steps, "clip_frac": 0.1,
-                "gen_time": 1.0, "train_time": 0.5, "sync_time": 0.1, "idle_time": 0.05,
-                "tokens_per_s": batch.n_tokens / 1.65, "allocation": allocation, "policy_version": step,
-            }, flush=(step % 16 == 15 or step == steps - 1))
+            log.append_metrics(
+                step,
+                {
+                    "time": T0 + 2.0 * step + 1.65,
+                    "kl": 0.01 * step / steps,
+                    "entropy": 2.0 - step / steps,
+                    "clip_frac": 0.1,
+                    "gen_time": 1.0,
+                    "train_time": 0.5,
+                    "sync_time": 0.1,
+                    "idle_time": 0.05,
+                    "tokens_per_s": batch.n_tokens / 1.65,
+                    "allocation": allocation,
+                    "policy_version": step,
+                },
+                flush=(step % 16 == 15 or step == steps - 1),
+            )
     finally:
         log.close()

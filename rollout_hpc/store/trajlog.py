@@ -26,15 +26,17 @@ import fcntl
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import h5py
 import numpy as np
 
 from rollout_hpc.errors import TrajectoryLogError
 from rollout_hpc.store.h5recover import clear_consistency_flags, consistency_flags
-from rollout_hpc.trajectory import FIXED_DTYPE, LAYOUT_VERSION as RECORD_LAYOUT, RAGGED, TrajectoryBatch
+from rollout_hpc.trajectory import FIXED_DTYPE, RAGGED, TrajectoryBatch
+from rollout_hpc.trajectory import LAYOUT_VERSION as RECORD_LAYOUT
 
 FORMAT = "rollout-hpc-trajectories"
 LOG_LAYOUT_VERSION = 1
@@ -45,16 +47,43 @@ _ROW_DTYPES = {**{n: FIXED_DTYPE[n] for n in ROW_COLUMNS[:-2]}, "step": np.dtype
 # ragged array -> its offsets dataset (one offsets dataset per length field)
 OFFSETS = {"prompt_len": "prompt_offsets", "response_len": "response_offsets", "n_turns": "turn_offsets"}
 STANDARD_METRICS = (
-    "step", "time", "reward_mean", "reward_std", "reward_min", "reward_max", "response_len_mean",
-    "response_len_max", "kl", "entropy", "clip_frac", "staleness_mean", "staleness_max", "gen_time",
-    "train_time", "sync_time", "idle_time", "tokens_per_s", "samples", "allocation", "policy_version",
+    "step",
+    "time",
+    "reward_mean",
+    "reward_std",
+    "reward_min",
+    "reward_max",
+    "response_len_mean",
+    "response_len_max",
+    "kl",
+    "entropy",
+    "clip_frac",
+    "staleness_mean",
+    "staleness_max",
+    "gen_time",
+    "train_time",
+    "sync_time",
+    "idle_time",
+    "tokens_per_s",
+    "samples",
+    "allocation",
+    "policy_version",
 )
 # Validation during training: one row per eval (the generator ranks evaluate the policy of version `step` on
 # the held-out split). k = samples per prompt; pass_at_k / mean_at_k over those k samples; reward_errors =
 # samples whose reward is a stand-in 0 (reward_status != REWARD_OK).
 STANDARD_EVAL_METRICS = (
-    "step", "time", "accuracy", "mean_reward", "pass_at_k", "mean_at_k", "k", "prompts", "samples",
-    "response_len_mean", "reward_errors",
+    "step",
+    "time",
+    "accuracy",
+    "mean_reward",
+    "pass_at_k",
+    "mean_at_k",
+    "k",
+    "prompts",
+    "samples",
+    "response_len_mean",
+    "reward_errors",
 )
 METRIC_NAME_BYTES = 64
 
@@ -86,7 +115,9 @@ class _WriterLock:
         except BlockingIOError:
             holder = os.pread(self.fd, 64, 0).decode(errors="replace").strip() or "?"
             os.close(self.fd)
-            raise TrajectoryLogError(f"{log} is being written by another process (pid {holder}); one writer per log") from None
+            raise TrajectoryLogError(
+                f"{log} is being written by another process (pid {holder}); one writer per log"
+            ) from None
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, str(os.getpid()).encode(), 0)
 
@@ -96,7 +127,9 @@ class _WriterLock:
 
 def _check_format(f: h5py.File, path: Path) -> None:
     if f.attrs.get("format") != FORMAT:
-        raise TrajectoryLogError(f"{path} is an HDF5 file but not a rollout-hpc trajectory log (no format attribute '{FORMAT}')")
+        raise TrajectoryLogError(
+            f"{path} is an HDF5 file but not a rollout-hpc trajectory log (no format attribute '{FORMAT}')"
+        )
     version = int(f.attrs.get("layout_version", -1))
     if version != LOG_LAYOUT_VERSION:
         raise TrajectoryLogError(
@@ -125,8 +158,9 @@ class TrajectoryLog:
 
     # --- opening -------------------------------------------------------------------
     @classmethod
-    def open_for_append(cls, path: str | Path, meta: dict | None = None, resume_step: int | None = None,
-                        compression: dict | None = None) -> "TrajectoryLog":
+    def open_for_append(
+        cls, path: str | Path, meta: dict | None = None, resume_step: int | None = None, compression: dict | None = None
+    ) -> TrajectoryLog:
         """Create the log, or reopen it to continue (after a clean exit or a crash).
 
         meta: run_name, group_size, max_new_tokens, max_staleness, ... (stored as attributes on
@@ -140,7 +174,10 @@ class TrajectoryLog:
             if path.exists() and path.stat().st_size > 0:
                 f, reconciled = cls._reopen(path, resume_step)
             else:
-                f, reconciled = cls._create(path, meta or {}, DEFAULT_COMPRESSION if compression is None else compression), {}
+                f, reconciled = (
+                    cls._create(path, meta or {}, DEFAULT_COMPRESSION if compression is None else compression),
+                    {},
+                )
             f.swmr_mode = True
         except BaseException:
             lock.release()
@@ -166,11 +203,15 @@ class TrajectoryLog:
         for name, dtype, _ in RAGGED:
             traj.create_dataset(name, (0,), dtype, maxshape=(None,), chunks=(TOKEN_CHUNK,), **compression)
         for offsets in OFFSETS.values():
-            traj.create_dataset(offsets, data=np.zeros(1, np.int64), maxshape=(None,), chunks=(ROW_CHUNK,), **compression)
+            traj.create_dataset(
+                offsets, data=np.zeros(1, np.int64), maxshape=(None,), chunks=(ROW_CHUNK,), **compression
+            )
         metrics = f.create_group("metrics")
         names = np.array([n.encode() for n in STANDARD_METRICS], f"S{METRIC_NAME_BYTES}")
         metrics.create_dataset("columns", data=names, maxshape=(None,), chunks=(64,))
-        metrics.create_dataset("values", (0, len(names)), np.float64, maxshape=(None, None), chunks=(256, 32), fillvalue=np.nan)
+        metrics.create_dataset(
+            "values", (0, len(names)), np.float64, maxshape=(None, None), chunks=(256, 32), fillvalue=np.nan
+        )
         f.create_dataset("progress", data=np.zeros(3, np.int64))
         _create_eval_group(f)
         return f
@@ -210,8 +251,13 @@ class TrajectoryLog:
         self._pending.append((batch, step, version))
         self._pending_rows += len(batch)
         self._step_stats.setdefault(step, []).append(
-            np.stack([batch.fixed["reward"].astype(np.float64), batch.fixed["response_len"].astype(np.float64),
-                      version - batch.fixed["policy_version"].astype(np.float64)])
+            np.stack(
+                [
+                    batch.fixed["reward"].astype(np.float64),
+                    batch.fixed["response_len"].astype(np.float64),
+                    version - batch.fixed["policy_version"].astype(np.float64),
+                ]
+            )
         )
         if self._pending_rows >= self.buffer_rows:
             self._write_pending()
@@ -266,9 +312,17 @@ class TrajectoryLog:
         if not parts:
             return {}
         reward, length, stale = np.concatenate(parts, axis=1)
-        return {"reward_mean": reward.mean(), "reward_std": reward.std(), "reward_min": reward.min(),
-                "reward_max": reward.max(), "response_len_mean": length.mean(), "response_len_max": length.max(),
-                "staleness_mean": stale.mean(), "staleness_max": stale.max(), "samples": len(reward)}
+        return {
+            "reward_mean": reward.mean(),
+            "reward_std": reward.std(),
+            "reward_min": reward.min(),
+            "reward_max": reward.max(),
+            "response_len_mean": length.mean(),
+            "response_len_max": length.max(),
+            "staleness_mean": stale.mean(),
+            "staleness_max": stale.max(),
+            "samples": len(reward),
+        }
 
     def flush(self) -> None:
         """Make everything appended durable, then commit it for readers."""
@@ -292,7 +346,7 @@ class TrajectoryLog:
             self._f.close()
             self._lock.release()
 
-    def __enter__(self) -> "TrajectoryLog":
+    def __enter__(self) -> TrajectoryLog:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -303,7 +357,9 @@ def _create_eval_group(f: h5py.File) -> None:
     group = f.create_group("eval")
     names = np.array([n.encode() for n in STANDARD_EVAL_METRICS], f"S{METRIC_NAME_BYTES}")
     group.create_dataset("columns", data=names, maxshape=(None,), chunks=(64,))
-    group.create_dataset("values", (0, len(names)), np.float64, maxshape=(None, None), chunks=(64, 16), fillvalue=np.nan)
+    group.create_dataset(
+        "values", (0, len(names)), np.float64, maxshape=(None, None), chunks=(64, 16), fillvalue=np.nan
+    )
     group.create_dataset("committed", data=np.zeros(1, np.int64))
 
 
@@ -377,8 +433,13 @@ def _reconcile(f: h5py.File, resume_step: int | None) -> dict:
     rows, most, metric_rows = _consistent_rows(f)
     traj = f["traj"]
     eval_rows = _eval_rows(f)
-    report = {"rows_kept": rows, "rows_dropped": most - rows, "metric_rows_dropped": f["metrics/values"].shape[0] - metric_rows,
-              "eval_rows_dropped": f["eval/values"].shape[0] - eval_rows, "writer_killed": not bool(f["progress"][2])}
+    report = {
+        "rows_kept": rows,
+        "rows_dropped": most - rows,
+        "metric_rows_dropped": f["metrics/values"].shape[0] - metric_rows,
+        "eval_rows_dropped": f["eval/values"].shape[0] - eval_rows,
+        "writer_killed": not bool(f["progress"][2]),
+    }
     if resume_step is not None:
         steps = traj["step"][:rows]
         later = np.flatnonzero(steps > resume_step)
@@ -403,8 +464,13 @@ def _reconcile(f: h5py.File, resume_step: int | None) -> dict:
         traj[name].resize((rows,))
     added = [name for name in ROW_COLUMNS if name not in present]
     for name in added:  # a FIXED_DTYPE field newer than the log: zeros for the rows written before it
-        traj.create_dataset(name, data=np.zeros(rows, _ROW_DTYPES[name]), maxshape=(None,), chunks=(ROW_CHUNK,),
-                            **_filters_like(traj["step"]))
+        traj.create_dataset(
+            name,
+            data=np.zeros(rows, _ROW_DTYPES[name]),
+            maxshape=(None,),
+            chunks=(ROW_CHUNK,),
+            **_filters_like(traj["step"]),
+        )
     if added:
         report["columns_added"] = [f"/traj/{name}" for name in added]
     for length_field, offsets_name in OFFSETS.items():
@@ -432,7 +498,9 @@ class TrajectoryReader:
     def __init__(self, path: str | Path) -> None:
         self.path = log_path(path)
         if not self.path.is_file():
-            raise TrajectoryLogError(f"{self.path}: no trajectory log here (expected RUN_DIR/{LOG_NAME} or the path of one)")
+            raise TrajectoryLogError(
+                f"{self.path}: no trajectory log here (expected RUN_DIR/{LOG_NAME} or the path of one)"
+            )
         if not h5py.is_hdf5(self.path):
             raise TrajectoryLogError(f"{self.path} is not an HDF5 file, so not a rollout-hpc trajectory log")
         try:
@@ -496,8 +564,9 @@ class TrajectoryReader:
         stop = self.rows if stop is None else min(stop, self.rows)
         return self._read(name, start, stop)
 
-    def iter_chunks(self, rows: int = 65536, columns: list[str] | None = None, start: int = 0,
-                    stop: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+    def iter_chunks(
+        self, rows: int = 65536, columns: list[str] | None = None, start: int = 0, stop: int | None = None
+    ) -> Iterator[dict[str, np.ndarray]]:
         """Per-trajectory columns in chunks of `rows` (bounded memory); each chunk also has 'row' indices."""
         names = columns or ROW_COLUMNS
         stop = self.rows if stop is None else min(stop, self.rows)
@@ -576,7 +645,7 @@ class TrajectoryReader:
     def close(self) -> None:
         self._f.close()
 
-    def __enter__(self) -> "TrajectoryReader":
+    def __enter__(self) -> TrajectoryReader:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from rollout_hpc.config import load_config
-from rollout_hpc.runtime.world import free_world, init_world
 from rollout_hpc.exchange.forward import Exchange
-from rollout_hpc.trajectory import FIXED_DTYPE, RAGGED, LayoutError, TrajectoryBatch
+from rollout_hpc.runtime.world import free_world, init_world
+from rollout_hpc.trajectory import RAGGED, LayoutError, TrajectoryBatch
 
 run_dir, spec = Path(sys.argv[1]), json.loads(sys.argv[2])
 cfg = load_config(run_dir / "config.resolved.yaml")
@@ -54,12 +54,19 @@ def make_batch(rng, rank, k):
     records = []
     for i in range(n):
         rlen = int(rng.integers(1, spec["max_response"] + 1))
-        records.append({
-            "prompt_id": rank * 1_000_000 + k * 100 + i, "sample_idx": i, "gen_rank": rank, "policy_version": 0,
-            "reward": float(rng.standard_normal()), "prompt_ids": rng.integers(0, 1000, int(rng.integers(1, 20))),
-            "response_ids": rng.integers(0, 1000, rlen), "logprobs": -rng.random(rlen).astype(np.float32),
-            "t_start": time.time(),
-        })
+        records.append(
+            {
+                "prompt_id": rank * 1_000_000 + k * 100 + i,
+                "sample_idx": i,
+                "gen_rank": rank,
+                "policy_version": 0,
+                "reward": float(rng.standard_normal()),
+                "prompt_ids": rng.integers(0, 1000, int(rng.integers(1, 20))),
+                "response_ids": rng.integers(0, 1000, rlen),
+                "logprobs": -rng.random(rlen).astype(np.float32),
+                "t_start": time.time(),
+            }
+        )
     return TrajectoryBatch.from_records(records)
 
 
@@ -82,6 +89,7 @@ try:
                     continue
                 if spec["bad"] == "wire":  # straight onto the wire, past the forwarder's check
                     from mpi4py import MPI
+
                     from rollout_hpc.exchange.forward import TAG_DATA
 
                     buf[4:8] = (99).to_bytes(4, "little")

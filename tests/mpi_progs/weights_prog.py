@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from rollout_hpc.config import load_config
-from rollout_hpc.runtime.world import free_world, init_world
 from rollout_hpc.exchange.weights import SyncClosed, WeightSync
+from rollout_hpc.runtime.world import free_world, init_world
 
 run_dir, versions = Path(sys.argv[1]), int(sys.argv[2])
 cfg = load_config(run_dir / "config.resolved.yaml")
@@ -30,7 +30,10 @@ def weights(version):
 
 
 def digest(tensors):
-    return {k: [hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest(), v.dtype.str, list(v.shape)] for k, v in tensors.items()}
+    return {
+        k: [hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest(), v.dtype.str, list(v.shape)]
+        for k, v in tensors.items()
+    }
 
 
 out = {"rank": w.rank, "role": w.role, "versions": []}
