@@ -161,7 +161,7 @@ def train_updates(cfg, trainer, critic, mine: dict, loss_fn) -> dict[str, float]
     history: list[dict[str, float]] = []
     for _ in range(a.epochs):
         for part in np.array_split(rows, a.mini_batches):
-            mb = select_rows(mine, part) if len(part) else _empty_like(mine)
+            mb = select_rows(mine, part) if len(part) else empty_like(mine)
             stats = trainer.train_step(mb, loss_fn, agg=a.loss_agg)
             if critic:
                 stats.update(critic.train_step(mb))
@@ -181,7 +181,7 @@ def train_updates(cfg, trainer, critic, mine: dict, loss_fn) -> dict[str, float]
     return out
 
 
-def _empty_like(tensors: dict) -> dict:
+def empty_like(tensors: dict) -> dict:
     """Row 0 with a zero loss mask: an update that changes nothing but keeps the ranks' collectives in step."""
     out = select_rows(tensors, np.zeros(1, np.int64))
     out["mask"] = torch.zeros_like(out["mask"])

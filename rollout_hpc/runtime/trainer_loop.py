@@ -121,7 +121,8 @@ class SFTPhase:
         t0 = time.perf_counter()
         batch = sft.sft_batch(self.cfg, self.task, self.tokenizer, self.stream, step)
         tensors = batching.collate(batch, self.tokenizer.pad_id)
-        mine = batching.select_rows(tensors, sft.my_rows(len(batch), self.world.group_rank, self.world.group_size))
+        rows = sft.my_rows(len(batch), self.world.group_rank, self.world.group_size)
+        mine = batching.select_rows(tensors, rows) if len(rows) else batching.empty_like(tensors)
         with self.trainer.fixed_lr(self.cfg.warmup.lr or self.cfg.algorithm.lr):
             stats = self.trainer.train_step(mine, self.loss_fn, agg=self.cfg.algorithm.loss_agg)
         if self.sink is not None:
@@ -203,9 +204,9 @@ def run_trainer(
             groups = batching.trainable_groups(tensors["mask"], a.group_size)
             stats = {"generation_rounds": float(plan.rounds)} if plan.max_rounds > 1 else {}
             if len(groups):  # none: every group of every round had equal rewards; the policy stays as it is
-                mine = batching.select_rows(
-                    tensors, batching.shard_groups(groups, a.group_size, world.group_rank, world.group_size)
-                )
+                rows = batching.shard_groups(groups, a.group_size, world.group_rank, world.group_size)
+                # Fewer groups than trainer ranks: a rank without any still joins the step's collectives.
+                mine = batching.select_rows(tensors, rows) if len(rows) else batching.empty_like(tensors)
                 stats.update(batching.train_updates(cfg, trainer, critic, mine, loss_fn))
             t_trained = time.perf_counter()
 
