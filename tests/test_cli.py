@@ -15,7 +15,7 @@ import pytest
 from rollout_hpc.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
-QUICKSTART = REPO / "configs" / "quickstart.yaml"
+QUICKSTART = REPO / "configs" / "smoke.yaml"
 HELLO = REPO / "configs" / "hello.yaml"
 
 
@@ -213,7 +213,7 @@ def test_local_run_failure_returns_mpiruns_code(tmp_path):
     done = cli(
         "submit", str(QUICKSTART), "--local", "--set", f"model.path={tmp_path / 'broken'}", cwd=tmp_path, timeout=300
     )
-    manifest = json.loads((tmp_path / "runs" / "quickstart" / "manifest.json").read_text())
+    manifest = json.loads((tmp_path / "runs" / "smoke" / "manifest.json").read_text())
     recorded = manifest["local_runs"][0]["exit_code"]
     assert recorded not in (None, 0) and done.returncode == recorded
     assert f"mpirun exited with code {recorded}" in done.stdout

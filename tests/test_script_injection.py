@@ -92,7 +92,7 @@ def test_the_found_injection_is_refused_with_the_field_named(tmp_path):
             "validate",
             "--set",
             'slurm.account="x\\ntouch /tmp/pwned"',
-            str(Path(__file__).parents[1] / "configs" / "quickstart.yaml"),
+            str(Path(__file__).parents[1] / "configs" / "smoke.yaml"),
         ],
         capture_output=True,
         text=True,

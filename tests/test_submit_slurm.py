@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parents[1]
 HELLO = REPO / "configs" / "hello.yaml"
-QUICKSTART = REPO / "configs" / "quickstart.yaml"
+QUICKSTART = REPO / "configs" / "smoke.yaml"
 JOB_TIMEOUT = 300
 
 
@@ -139,7 +139,7 @@ def test_chain_status_and_cancel_pending_jobs(slurm_cluster, tmp_path):
 
 def submit_long_training(tmp_path: Path) -> tuple[str, Path]:
     done = cli("submit", str(QUICKSTART), "--set", "launcher=slurm", "--set", "algorithm.steps=100000", cwd=tmp_path)
-    return submitted_job(done), tmp_path / "runs" / "quickstart"
+    return submitted_job(done), tmp_path / "runs" / "smoke"
 
 
 def test_status_and_cancel_of_a_running_job(slurm_cluster, tmp_path):

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_a_trainer_rank_without_groups_keeps_in_step(tmp_path):
     done = cli(
         "submit",
-        REPO / "configs" / "quickstart.yaml",
+        REPO / "configs" / "smoke.yaml",
         "--set",
         "run.name=uneven",
         "--set",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-QUICKSTART = REPO / "configs" / "quickstart.yaml"
+QUICKSTART = REPO / "configs" / "smoke.yaml"
 
 
 def validate(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -2,7 +2,7 @@
 
 Builds the wheel with maturin (the one step that needs cargo), installs it with `pip --no-deps` into a new venv
 whose other packages come from this test's environment (a path entry, so the checkout's editable install is not
-seen), then runs `rollout-hpc render configs/quickstart.yaml --set launcher=slurm` from a directory outside the
+seen), then runs `rollout-hpc render configs/smoke.yaml --set launcher=slurm` from a directory outside the
 checkout, on a PATH without cargo: the job script templates must come from inside the installed package.
 ROLLOUT_TEST_WHEEL=PATH tests a wheel built elsewhere instead of building one.
 """
@@ -104,7 +104,7 @@ def test_installed_wheel_renders_outside_the_checkout_without_cargo(wheel, tmp_p
 
     work = tmp_path / "elsewhere"
     (work / "configs").mkdir(parents=True)
-    shutil.copy(REPO / "configs" / "quickstart.yaml", work / "configs" / "quickstart.yaml")
+    shutil.copy(REPO / "configs" / "smoke.yaml", work / "configs" / "smoke.yaml")
     path = os.pathsep.join([str(venv / "bin"), "/usr/local/bin", "/usr/bin", "/bin"])
     assert shutil.which("cargo", path=path) is None
     env = {
@@ -126,7 +126,7 @@ def test_installed_wheel_renders_outside_the_checkout_without_cargo(wheel, tmp_p
     assert Path(where.stdout.strip()).is_relative_to(venv), where.stdout  # the wheel's copy, not the checkout
 
     done = subprocess.run(
-        [str(venv / "bin" / "rollout-hpc"), "render", "configs/quickstart.yaml", "--set", "launcher=slurm"],
+        [str(venv / "bin" / "rollout-hpc"), "render", "configs/smoke.yaml", "--set", "launcher=slurm"],
         cwd=work,
         env=env,
         capture_output=True,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark: end-to-end RL training, rollout-hpc vs TRL's GRPOTrainer vs a plain single-process loop.
 
-The same tiny model (the built-in random-init Llama), task (the quickstart's arithmetic), prompts, group
+The same tiny model (the built-in random-init Llama), task (the smoke config's arithmetic), prompts, group
 size, generation length, learning rate and number of steps, on this machine's CPUs, side by side:
 
   ours_s0      rollout-hpc under mpirun: 1 generator rank + 1 trainer rank, max_staleness 0 (on-policy)
@@ -38,11 +38,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def quickstart_cfg(steps: int, overrides: list[str] = ()):
+def smoke_cfg(steps: int, overrides: list[str] = ()):
     from rollout_hpc.config import load_config
 
     return load_config(
-        REPO / "configs" / "quickstart.yaml", [f"algorithm.steps={steps}", "checkpoint.every_steps=0", *overrides]
+        REPO / "configs" / "smoke.yaml", [f"algorithm.steps={steps}", "checkpoint.every_steps=0", *overrides]
     )
 
 
@@ -77,7 +77,7 @@ def run_ours(steps: int, staleness: int, threshold: float) -> dict:
 
     from rollout_hpc.store.trajlog import read_metrics
 
-    cfg = quickstart_cfg(steps, [f"exchange.max_staleness={staleness}"])
+    cfg = smoke_cfg(steps, [f"exchange.max_staleness={staleness}"])
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
         run_dir = Path(tmp)
         (run_dir / "config.resolved.yaml").write_text(yaml.safe_dump(cfg.resolved()))
@@ -156,7 +156,7 @@ def run_plain(steps: int, threshold: float) -> dict:
 
     t0 = time.time()
     torch.set_num_threads(2)
-    cfg = quickstart_cfg(steps)
+    cfg = smoke_cfg(steps)
     a = cfg.algorithm
     tok = load_tokenizer(cfg.model)
     model = build_model(cfg.model, tok.vocab_size, seed=cfg.run.seed)
@@ -250,7 +250,7 @@ def run_trl(steps: int, threshold: float) -> dict:
 
     t0 = time.time()
     torch.set_num_threads(2)
-    cfg = quickstart_cfg(steps)
+    cfg = smoke_cfg(steps)
     a = cfg.algorithm
     hf_tok, ours = char_tokenizer_for_hf()
     model = build_model(cfg.model, ours.vocab_size, seed=cfg.run.seed)
