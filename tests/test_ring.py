@@ -256,13 +256,23 @@ def test_fuzzed_record_lengths(tmp_path, lens):
     r.unlink()
 
 
-def _use_damaged(p, pops: int, push_len: int) -> None:
-    """Opens, pops, pushes and reads stats on a damaged segment: a clean error is fine, a crash is not."""
+def _use_damaged(p, pops: int, push_len: int, pushed: list[bytes], payload_damaged: bool = False) -> None:
+    """Opens, pops, pushes and reads stats on a damaged segment: a clean error is fine, a crash is not, and a record
+    that comes out is one that went in: byte for byte, or (damage that landed inside a payload, which the ring does
+    not checksum: the exchange's layout check catches that) at least one of the pushed lengths, never a record cut
+    or stretched by a damaged header."""
+    ours = b"x" * push_len
     try:
         r2 = Ring.open(p)
         for _ in range(pops):
-            r2.try_pop()
-        r2.try_push(b"x" * push_len)
+            record = r2.try_pop()
+            if record is None:
+                continue
+            if payload_damaged:
+                assert len(record) in {len(b) for b in pushed} | {push_len}, len(record)
+            else:
+                assert record in pushed or record == ours, record[:16]
+        r2.try_push(ours)
         r2.stats()
     except (RingError, RingTimeout):
         pass
@@ -278,8 +288,9 @@ def test_corrupted_shared_state_gives_errors_not_crashes(tmp_path, where, value)
     if p.exists():
         p.unlink()
     r = Ring.create(p, 4096)
-    for i in range(5):
-        r.push(bytes([i]) * 300)
+    pushed = [bytes([i]) * 300 for i in range(5)]
+    for record in pushed:
+        r.push(record)
     r.pop()
     offsets = {"head": 64 + 64, "read": 64 + 128, "tail": 64 + 192}
     rec = DATA_OFFSET + 352  # second record header (records are 352 bytes here)
@@ -291,7 +302,7 @@ def test_corrupted_shared_state_gives_errors_not_crashes(tmp_path, where, value)
         _damage(p, rec + 16, struct.pack("<I", value & 0xFFFFFFFF))
     else:
         _damage(p, rec + 24, struct.pack("<Q", value))
-    _use_damaged(p, pops=6, push_len=100)
+    _use_damaged(p, pops=6, push_len=100, pushed=pushed)
     r.unlink()
 
 
@@ -302,9 +313,11 @@ def test_random_damage_anywhere_gives_errors_not_crashes(tmp_path, offset, junk)
     if p.exists():
         p.unlink()
     r = Ring.create(p, 4096)
-    for i in range(6):
-        r.push(bytes([i]) * (100 + 150 * i))
+    pushed = [bytes([i]) * (100 + 150 * i) for i in range(6)]
+    for record in pushed:
+        r.push(record)
     r.pop()
-    _damage(p, offset, junk[: DATA_OFFSET + 4096 - offset])
-    _use_damaged(p, pops=8, push_len=700)
+    junk = junk[: DATA_OFFSET + 4096 - offset]
+    _damage(p, offset, junk)
+    _use_damaged(p, pops=8, push_len=700, pushed=pushed, payload_damaged=offset + len(junk) > DATA_OFFSET)
     r.unlink()

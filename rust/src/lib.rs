@@ -32,7 +32,7 @@ pub use ring::{Claim, Ring, Stats, WriteSlot};
 pub use wait::{Host, Plain};
 
 /// Version of the on-disk/in-memory segment layout. Bumped on any change.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2; // 2: record headers carry a check word over (pos, len)
 
 #[cfg(feature = "python")]
 mod python;

@@ -17,7 +17,9 @@ use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
 
 use crate::attach::Inner;
 use crate::error::Result;
-use crate::record::{kind, owner, rec_size, RecordAt, Slot, CLAIMED, COMMITTED, DONE, HDR, PAD, SKIPPED, WRITING};
+use crate::record::{
+    kind, len_check, owner, rec_size, RecordAt, Slot, CLAIMED, COMMITTED, DONE, HDR, PAD, SKIPPED, WRITING,
+};
 use crate::segment::ALIGN;
 
 /// What a consumer found at `read`.
@@ -115,7 +117,7 @@ impl Inner {
                 p.pos.store(h, Relaxed);
                 p.id.store(0, Relaxed);
                 p.len.store((pad - HDR) as u32, Relaxed);
-                p.flags.store(0, Relaxed);
+                p.flags.store(len_check(h, (pad - HDR) as u32), Relaxed);
                 p.state.store(self.state_word(h, PAD, 0), Relaxed);
                 h += pad;
             }
@@ -126,7 +128,7 @@ impl Inner {
             r.pos.store(h, Relaxed);
             r.id.store(id, Relaxed);
             r.len.store(len as u32, Relaxed);
-            r.flags.store(0, Relaxed);
+            r.flags.store(len_check(h, len as u32), Relaxed);
             r.state.store(self.state_word(h, WRITING, self.pid), Relaxed);
             out.put(Slot { pos: h, len: len as u64, id });
             id += 1;

@@ -2,7 +2,7 @@
 //! validated read of a header at a position taken from shared memory.
 //!
 //! ```text
-//! pos u64 | id u64 | len u32 | flags u32 | state u64 = kind (8 bits) | lap tag (24) | owner pid (32)
+//! pos u64 | id u64 | len u32 | check u32 | state u64 = kind (8 bits) | lap tag (24) | owner pid (32)
 //! ```
 //!
 //! A record starts on a 32-byte boundary with this header, its payload right after it, total
@@ -44,6 +44,15 @@ pub(crate) struct RecHdr {
     pub state: AtomicU64,
 }
 const _: () = assert!(std::mem::size_of::<RecHdr>() as u64 == HDR);
+
+/// The check word of a header at `pos` with payload length `len` (stored in its `flags` field). A header whose len
+/// or pos was damaged no longer matches it, so a damaged length is reported as corruption instead of delivering a
+/// record cut short or stretched over its neighbours.
+pub(crate) fn len_check(pos: u64, len: u32) -> u32 {
+    let x = pos ^ ((len as u64) << 32) ^ 0x9E37_79B9_7F4A_7C15;
+    let x = (x ^ (x >> 29)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    (x ^ (x >> 32)) as u32
+}
 
 /// Total size of a record of `len` payload bytes (header included, rounded up to ALIGN).
 pub(crate) fn rec_size(len: u64) -> u64 {
@@ -124,7 +133,9 @@ impl Inner {
         let hd = self.hdr(pos)?;
         let state = hd.state.load(Acquire);
         let len = hd.len.load(Relaxed);
-        let is_here = hd.pos.load(Relaxed) == pos && (state & 0xFFFF_FF00) == self.tag(pos);
+        let is_here = hd.pos.load(Relaxed) == pos
+            && (state & 0xFFFF_FF00) == self.tag(pos)
+            && hd.flags.load(Relaxed) == len_check(pos, len);
         let size = if is_here { self.checked_size(pos, len) } else { None };
         Ok(RecordAt { hd, state, len, size })
     }
