@@ -247,3 +247,19 @@ def mpi_env() -> dict[str, str]:
     from mpi_progs.launch import mpi_env as environment_for_mpirun
 
     return environment_for_mpirun()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under CI (CI=true) a skipped test is a failure unless it is marked `gpu` (no GPU is lent to CI): a Slurm or MPI
+    test that silently skips (not root, Slurm missing, a dependency not installed) would test nothing."""
+    outcome = yield
+    report = outcome.get_result()
+    if (
+        os.environ.get("CI", "").lower() in ("1", "true", "yes")
+        and report.skipped
+        and not item.get_closest_marker("gpu")
+    ):
+        reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped under CI, which must run every non-GPU test: {reason}"

@@ -188,6 +188,7 @@ def test_load_weights_in_place(model):
         load_weights_into(target, {"lm_head.weight": weights["lm_head.weight"]})
 
 
+@pytest.mark.gpu  # skipped only where vLLM and a GPU are present
 def test_vllm_backend_explains_what_is_missing():
     """Without vLLM or a GPU the backend says how to get one or to use 'hf' (runs everywhere)."""
     from rollout_hpc.backends.generate_vllm import NEEDS, VLLMGenerator, VLLMUnavailable

@@ -270,6 +270,7 @@ def test_kl_to_the_reference_policy(tmp_path, algo):
     assert all(k >= 0 for k in kl) and kl[-1] > 0  # k3 is non-negative; the policy has moved away
 
 
+@pytest.mark.gpu  # skipped only where a GPU is present (its own test runs there)
 def test_megatron_without_gpu_is_a_clear_error(tmp_path):
     if _has_cuda():
         pytest.skip("this machine has a GPU: the megatron path is tested by test_trainers.py (gpu)")
