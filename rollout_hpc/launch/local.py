@@ -18,7 +18,7 @@ from rich.console import Console
 from rollout_hpc.config import Config
 from rollout_hpc.launch import rundir
 from rollout_hpc.launch.executables import require_executable
-from rollout_hpc.rundir_layout import EXIT_CONTINUE
+from rollout_hpc.rundir_layout import CHECKPOINTS, EXIT_CONTINUE
 
 # Signals the foreground process passes on to mpirun; mpirun forwards USR1/USR2 to every rank
 # and ends the job on INT/TERM.
@@ -88,15 +88,18 @@ def run_local(cfg: Config, run_dir: Path, console: Console | None = None) -> int
     }
     rundir.update_manifest(run_dir, lambda m: m.setdefault("local_runs", []).append(run_record))
 
-    terms = []
+    terms: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
         if proc.poll() is None:
-            if signum == signal.SIGTERM and not terms:
-                # mpirun would end the ranks on TERM; as USR1 it reaches every rank, which checkpoints and
-                # exits 75 like a Slurm job told to stop. A second TERM ends the job outright.
+            if signum in (signal.SIGTERM, signal.SIGINT) and not terms:
+                # mpirun would end the ranks on TERM or INT (Ctrl-C); as USR1 it reaches every rank, which
+                # checkpoints and exits 75 like a Slurm job told to stop. A second TERM or Ctrl-C ends the job outright.
                 terms.append(signum)
                 signum = signal.SIGUSR1
+                if terms[0] == signal.SIGINT:
+                    console.print("stopping after the current step (a checkpoint is written); Ctrl-C again to end now",
+                                  markup=False)
             proc.send_signal(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
@@ -133,5 +136,13 @@ def run_local(cfg: Config, run_dir: Path, console: Console | None = None) -> int
     if exit_code == EXIT_CONTINUE:
         console.print(
             f"the run checkpointed and stopped early; continue it with `rollout-hpc resume {run_dir}`", markup=False
+        )
+    elif exit_code != 0:
+        saved = sorted((run_dir / CHECKPOINTS).glob("step-*"))
+        where = f"from its newest checkpoint ({saved[-1].name})" if saved else "from the start (no checkpoint yet)"
+        console.print(
+            f"the run ended early (exit {exit_code}: an error above, or a rank was killed); nothing checkpointed is "
+            f"lost: once the cause is fixed, `rollout-hpc resume {run_dir}` continues it {where}",
+            markup=False,
         )
     return exit_code

@@ -313,7 +313,7 @@ def load_latest_valid(run_dir: str | Path, shard: int | None = None) -> tuple[Pa
 def warn_skipped(damaged: list[str], used: Path) -> None:
     """One warning line per damaged newer checkpoint that a resume passes over for `used`."""
     for reason in damaged:
-        log.warning("skipping damaged checkpoint %s; resuming from %s instead", reason, used.name)
+        log.warning("skipping damaged checkpoint %s; using %s instead", reason, used.name)
 
 
 def every_checkpoint_damaged(run_dir: str | Path, damaged: list[str]) -> CheckpointCorrupt:
