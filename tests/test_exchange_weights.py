@@ -64,3 +64,18 @@ def test_staleness_bound_keeps_recent_records():
     assert rejected == 1 and kept.fixed["policy_version"].tolist() == [5, 4, 3]
     same, none = check_staleness(_batch([5, 5]), current_version=5, max_staleness=0)
     assert none == 0 and len(same) == 2
+
+
+def test_the_weight_header_is_json_not_pickle():
+    """The header a generator receives over MPI is parsed as JSON data: nothing a peer sends is executed."""
+    import pickle
+
+    from rollout_hpc.exchange.weights import _Header
+
+    header = _Header(7, False, ["a", "b"], ["<f4", "<i8"], [(2, 3), ()], 1 << 20)
+    wire = header.to_json()
+    assert wire.startswith(b"{") and _Header.from_json(bytearray(wire)) == header
+    with pytest.raises(ValueError, match="not a numeric tensor"):
+        _Header.from_json(_Header(1, False, ["x"], ["|O"], [(1,)], 64).to_json())
+    with pytest.raises(ValueError):  # a pickle is not a header
+        _Header.from_json(pickle.dumps(header))

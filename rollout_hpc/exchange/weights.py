@@ -24,7 +24,7 @@ no newer version can come.
 
 from __future__ import annotations
 
-import pickle
+import json
 import sys
 import threading
 import time
@@ -50,6 +50,34 @@ class _Header:
     dtypes: list[str]
     shapes: list[tuple[int, ...]]
     chunk_bytes: int
+
+    def to_json(self) -> bytes:
+        """The wire form: JSON (never pickle: a header is data, and unpickling executes whatever a peer sent)."""
+        return json.dumps(
+            {
+                "version": self.version,
+                "stop": self.stop,
+                "names": self.names,
+                "dtypes": self.dtypes,
+                "shapes": [list(s) for s in self.shapes],
+                "chunk_bytes": self.chunk_bytes,
+            }
+        ).encode()
+
+    @classmethod
+    def from_json(cls, blob: bytes | bytearray) -> _Header:
+        d = json.loads(bytes(blob))
+        for dtype in d["dtypes"]:  # numpy dtype strings of plain numbers only (no object dtype)
+            if np.dtype(dtype).kind not in "biuf":
+                raise ValueError(f"weight header names dtype {dtype!r}: not a numeric tensor")
+        return cls(
+            int(d["version"]),
+            bool(d["stop"]),
+            [str(n) for n in d["names"]],
+            list(d["dtypes"]),
+            [tuple(int(x) for x in s) for s in d["shapes"]],
+            int(d["chunk_bytes"]),
+        )
 
     @property
     def sizes(self) -> list[int]:
@@ -111,7 +139,7 @@ class WeightSync:
             shapes=[tuple(a.shape) for a in arrays],
             chunk_bytes=self.chunk_bytes,
         )
-        blob = pickle.dumps(header)
+        blob = header.to_json()
         reqs = [self.comm.Isend([blob, MPI.BYTE], dest=g, tag=_TAG_HEADER) for g in range(self.comm.Get_remote_size())]
         bcasts = [(a, lo, hi) for a in arrays for lo, hi in _chunks(a.nbytes, self.chunk_bytes)]
         self.world.group_comm.bcast(len(bcasts), root=0)
@@ -154,7 +182,7 @@ class WeightSync:
                     continue
                 blob = bytearray(status.Get_count(MPI.BYTE))
                 self.comm.Recv([blob, MPI.BYTE], source=0, tag=_TAG_HEADER)
-                header: _Header = pickle.loads(blob)
+                header = _Header.from_json(blob)
                 t0 = time.perf_counter()
                 sizes = header.sizes
                 flat = self._buffer(sum(sizes))
