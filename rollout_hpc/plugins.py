@@ -7,6 +7,7 @@ or a value of the wrong type (also at call time, for reward functions).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -64,6 +65,8 @@ def _import_file(path_text: str, spec: str, field: str):
     if name in sys.modules:
         return sys.modules[name]
     mod_spec = importlib.util.spec_from_file_location(name, path)
+    if mod_spec is None or mod_spec.loader is None:  # no importer for the file's suffix
+        raise PluginError(f"{field} '{spec}': {path} is not a Python file; name a .py file ('path/to/file.py:attr')")
     module = importlib.util.module_from_spec(mod_spec)
     sys.modules[name] = module
     try:
@@ -92,9 +95,8 @@ def checked_reward_fn(fn: Callable, who: str) -> Callable[[Any, str], float]:
     def reward(prompt_item, response_text: str) -> float:
         return as_reward(fn(prompt_item, response_text), who)
 
-    reward.__name__ = getattr(fn, "__name__", "reward")
-    reward.__wrapped__ = fn
-    return reward
+    # Takes fn's __name__ (if it has one) and sets reward.__wrapped__ = fn.
+    return functools.update_wrapper(reward, fn, assigned=("__name__",), updated=())
 
 
 def load_reward(spec: str, field: str = "task.reward") -> Callable[[Any, str], float]:

@@ -45,6 +45,8 @@ FIXED_DTYPE = np.dtype(
         ("t_end", "<f8"),  # when the reward was computed
     ]
 )
+assert FIXED_DTYPE.names is not None  # numpy's stubs allow None (a dtype without fields)
+FIXED_NAMES: tuple[str, ...] = FIXED_DTYPE.names  # the fixed fields, in order
 
 RAGGED = (
     ("prompt_ids", np.int32, "prompt_len"),
@@ -96,7 +98,7 @@ class TrajectoryBatch:
         """Build from dicts with fixed fields plus ragged lists (missing ragged = empty,
         missing loss_mask = all ones, missing turn_starts = one turn at 0)."""
         given = {name for r in records for name in r}
-        fixed = {name: [r.get(name, 0) for r in records] for name in FIXED_DTYPE.names if name in given}
+        fixed = {name: [r.get(name, 0) for r in records] for name in FIXED_NAMES if name in given}
         return cls.from_columns(len(records), fixed, {name: [r.get(name) for r in records] for name, _, _ in RAGGED})
 
     @classmethod
@@ -149,7 +151,7 @@ class TrajectoryBatch:
     def record(self, i: int) -> dict:
         """One trajectory as a dict of scalars and arrays (views)."""
         row = self.fixed[i]
-        out = {name: row[name].item() for name in FIXED_DTYPE.names if not name.startswith("_")}
+        out = {name: row[name].item() for name in FIXED_NAMES if not name.startswith("_")}
         for name, _, length_field in RAGGED:
             off = self.offsets(length_field)
             out[name] = getattr(self, name)[off[i] : off[i + 1]]
@@ -197,7 +199,7 @@ class TrajectoryBatch:
         pos = _HEADER.size
         for s in sections:
             n = s.nbytes
-            view[pos : pos + n] = s.view(np.uint8).reshape(-1) if n else b""
+            view[pos : pos + n] = s.view(np.uint8).reshape(-1).data if n else b""
             pad = _align8(n) - n
             if pad:
                 view[pos + n : pos + n + pad] = bytes(pad)

@@ -31,6 +31,8 @@ fi
 echo "[test] ruff check + ruff format --check (pyproject.toml [tool.ruff])"
 ruff check rollout_hpc tests tools
 ruff format --check rollout_hpc tests tools
+echo "[test] mypy rollout_hpc"
+mypy rollout_hpc
 echo "[test] cargo test (rust/)"
 cargo test -q -p rollout-ring --release 2>&1 | tail -n 25
 echo "[test] pytest"

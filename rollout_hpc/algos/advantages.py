@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .losses import kl_penalty
+from .losses import KLEstimator, kl_penalty
 
 
 def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -114,7 +114,7 @@ def token_kl_rewards(
     logprobs: torch.Tensor | None,
     ref_logprobs: torch.Tensor | None,
     kl_coef: float,
-    kl_estimator: str,
+    kl_estimator: KLEstimator,
 ) -> torch.Tensor:
     """[B, T] reward: sequence reward on the last valid token minus kl_coef * KL_t on every token."""
     token_rewards = last_token_rewards(rewards, mask)

@@ -248,11 +248,11 @@ def _assemble(
     count = acc.count[has]
     per_step: dict[str, np.ndarray] = {"step": steps.astype(np.float64), "samples": count}
     for name in ("reward", "response_len", "tokens", "staleness"):
-        mean = acc.sums[name][has] / count if n else np.zeros(0)
-        per_step[f"{name}_mean"] = mean
-        per_step[f"{name}_std"] = np.sqrt(np.maximum(acc.sums[name + "^2"][has] / count - mean**2, 0)) if n else mean
-        per_step[f"{name}_min"] = acc.mins[name][has] if n else mean
-        per_step[f"{name}_max"] = acc.maxs[name][has] if n else mean
+        means = acc.sums[name][has] / count if n else np.zeros(0)
+        per_step[f"{name}_mean"] = means
+        per_step[f"{name}_std"] = np.sqrt(np.maximum(acc.sums[name + "^2"][has] / count - means**2, 0)) if n else means
+        per_step[f"{name}_min"] = acc.mins[name][has] if n else means
+        per_step[f"{name}_max"] = acc.maxs[name][has] if n else means
     # Join the metrics table on step (a step the table lacks gets NaN).
     mstep = table.get("step", np.zeros(0)).astype(np.int64)
     where = {s: i for i, s in enumerate(mstep)}

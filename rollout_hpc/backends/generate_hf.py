@@ -333,7 +333,7 @@ class Generator:
         items = [dataset_item(dataset, i) for i in prompt_indices]
         rows = [(int(idx), item, s) for idx, item in zip(prompt_indices, items) for s in range(group_size)]
         row_seeds = [derive_seed(self.seed, idx, s) for idx, _, s in rows]
-        common = dict(
+        common: dict[str, Any] = dict(  # the keyword arguments of trajectory_batch that every row shares
             prompt_index=[r[0] for r in rows],
             sample_idx=[r[2] for r in rows],
             gen_rank=gen_rank,

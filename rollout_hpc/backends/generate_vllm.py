@@ -94,7 +94,7 @@ class VLLMGenerator(Generator):
         s = params or self.sampling
         # Stop strings need text, and the engine has no tokenizer (skip_tokenizer_init): responses are cut after
         # generation (cut_at_stop_strings), the same cut the HF backend makes.
-        params = [
+        per_prompt = [
             vllm.SamplingParams(
                 temperature=0.0 if s.greedy else s.temperature,
                 top_p=1.0 if s.greedy else s.top_p,
@@ -106,7 +106,7 @@ class VLLMGenerator(Generator):
             )
             for seed in seeds
         ]
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], per_prompt, use_tqdm=False)
         responses, logprobs, truncated = [], [], []
         for out in outputs:
             completion = out.outputs[0]

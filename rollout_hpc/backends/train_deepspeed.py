@@ -152,6 +152,7 @@ class DeepSpeedTrainer(Trainer):
         with self._gathered(modifier_rank=0), torch.no_grad():
             tensors = self.module.state_dict(keep_vars=True)
             if self.world.group_rank == 0:
+                assert weights is not None  # group rank 0 always passes them
                 for name, tensor in tensors.items():
                     tensor.data.copy_(torch.as_tensor(np.asarray(weights[name])).to(tensor.dtype))
             if self.stage != 3:  # replicated parameters: rank 0's values everywhere
@@ -280,7 +281,7 @@ class DeepSpeedTrainer(Trainer):
                 f"the checkpoint's optimizer state does not match this model (missing {missing[:3]}, "
                 f"unknown {unknown[:3]}): resume with the model the checkpoint was written for"
             )
-        keys = ("fp32",)
+        keys: tuple[str, ...] = ("fp32",)
         if "step" in share:
             keys = ("fp32", *ADAM_MOMENTS)
             step = share["step"]

@@ -30,7 +30,8 @@ class TorchTrainer(Trainer):
             torch.cuda.set_device(self.device)
         init_torch_distributed(world, "nccl" if self.device.type == "cuda" else "gloo")
         self.module = model.to(self.device)
-        self.engine = self._prepare_model(self.module)  # ScoringModel: chunked log-probs inside the engine's forward
+        # A ScoringModel (chunked log-probs inside the engine's forward), wrapped in DDP across several ranks.
+        self.engine: torch.nn.Module = self._prepare_model(self.module)
         if world.group_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -55,8 +56,9 @@ class TorchTrainer(Trainer):
 
     def _micro_batch_context(self, last: bool):
         # DDP all-reduces in the backward of the last micro-batch only; no_sync must cover the forward too.
-        sync = last or not isinstance(self.engine, torch.nn.parallel.DistributedDataParallel)
-        return contextlib.nullcontext() if sync else self.engine.no_sync()
+        if last or not isinstance(self.engine, torch.nn.parallel.DistributedDataParallel):
+            return contextlib.nullcontext()
+        return self.engine.no_sync()
 
     def _backward(self, loss: torch.Tensor, last: bool) -> None:
         loss.backward()

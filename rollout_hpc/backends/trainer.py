@@ -121,6 +121,7 @@ def lm_token_scores(
             logp, ent = logp * m, ent * m
         return logp, ent
     body, head = split
+    assert chunk_tokens is not None  # split is looked for only with chunk_tokens
     hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     sel = (
         torch.ones(B, T - 1, dtype=torch.bool, device=input_ids.device) if positions is None else positions[:, 1:] != 0
@@ -196,7 +197,8 @@ class ScoringModel(torch.nn.Module):
 
 def enable_gradient_checkpointing(model: torch.nn.Module) -> bool:
     """Recompute each decoder layer's activations in backward (HF models; a critic's backbone too)."""
-    target = model if hasattr(model, "gradient_checkpointing_enable") else getattr(model, "backbone", None)
+    # Duck-typed (an HF model, or a critic's HF backbone): Any, as torch types module attributes Tensor | Module.
+    target: Any = model if hasattr(model, "gradient_checkpointing_enable") else getattr(model, "backbone", None)
     if target is None or not hasattr(target, "gradient_checkpointing_enable"):
         raise TrainerError(
             f"trainer.gradient_checkpointing: {type(model).__name__} has no gradient_checkpointing_enable(); "
@@ -371,6 +373,9 @@ class Trainer(ABC):
     # micro-batches; the others (Megatron here) run one micro-batch per step through _backward_and_step.
     supports_accumulation = False
 
+    optimizer: torch.optim.Optimizer  # set by the backend's __init__
+    _fixed_lr: float | None = None  # the learning rate while fixed_lr() is active
+
     def __init__(self, cfg, world):
         self.cfg = cfg
         self.world = world
@@ -451,7 +456,7 @@ class Trainer(ABC):
     @property
     def lr(self) -> float:
         """The learning rate of the next optimizer step (algorithm.lr_schedule at steps_done)."""
-        if getattr(self, "_fixed_lr", None) is not None:
+        if self._fixed_lr is not None:
             return self._fixed_lr
         return lr_at(self.cfg.algorithm, self.steps_done)
 
@@ -552,7 +557,7 @@ class Trainer(ABC):
         for group in self._param_groups():
             group["lr"] = lr
         if len(parts) == 1:  # today's path: one forward over the whole share, untrimmed, weight 1
-            micro = [(batch, None)]
+            micro: list[tuple[dict, float | None]] = [(batch, None)]
         else:
             if not self.supports_accumulation:
                 raise TrainerError(

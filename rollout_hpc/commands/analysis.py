@@ -95,7 +95,8 @@ def _first_last(stats: dict | None) -> str:
 
 def _last(columns: dict | None, name: str) -> str:
     """The last reported value of an eval column, with its k for pass_at_k."""
-    values = [(i, v) for i, v in enumerate((columns or {}).get(name) or []) if v is not None and not math.isnan(v)]
+    columns = columns or {}
+    values = [(i, v) for i, v in enumerate(columns.get(name) or []) if v is not None and not math.isnan(v)]
     if not values:
         return "n/a"
     i, value = values[-1]

@@ -19,6 +19,7 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
             f"no checkpoints in {checkpoint_dir(args.run_dir)}; a run writes them every checkpoint.every_steps steps"
         )
     path, state, meta = found
+    checkpoints = [{"step": c.step, "path": str(c.path), "sharded": c.sharded} for c in list_checkpoints(args.run_dir)]
     info = {
         "step": meta.get("step"),
         "policy_version": meta.get("policy_version"),
@@ -27,9 +28,7 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         "content_checksum": meta.get("content_checksum"),
         "config_digest": meta.get("config_digest"),
         "created": meta.get("created"),
-        "checkpoints": [
-            {"step": c.step, "path": str(c.path), "sharded": c.sharded} for c in list_checkpoints(args.run_dir)
-        ],
+        "checkpoints": checkpoints,
     }
     if args.json:
         print(json.dumps(info, indent=2))
@@ -38,7 +37,7 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
     out.print(f"  file            {info['file']}")
     out.print(f"  weights sha256  {info['weights_sha256']}")
     out.print(f"  config digest   {info['config_digest']}")
-    out.print(f"  all checkpoints {', '.join(str(c['step']) for c in info['checkpoints'])}")
+    out.print(f"  all checkpoints {', '.join(str(c['step']) for c in checkpoints)}")
     return 0
 
 

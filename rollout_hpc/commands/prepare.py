@@ -11,6 +11,7 @@ import argparse
 import os
 import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from rollout_hpc.commands import add_config_arguments, config_path
@@ -30,7 +31,7 @@ def _tasks_per_node(spec: str) -> int:
     return counts.pop()
 
 
-def allocation_layout(env: dict[str, str] = os.environ) -> list[str]:
+def allocation_layout(env: Mapping[str, str] = os.environ) -> list[str]:
     """--set overrides giving each group the nodes and tasks per node of this het allocation."""
     if env.get("SLURM_HET_SIZE") != "2":
         raise UserError(

@@ -264,6 +264,7 @@ def _mixed_column_message(f: Path, key: str, values: list, exc: Exception) -> st
                     break
     if bad is None:
         return f"dataset file {f}: column '{key}' cannot be stored as one Arrow column ({exc})"
+    assert first is not None  # bad is searched for only after the first non-null row
     hint = ""
     if {_kind(values[first]), _kind(values[bad])} == {"a string", "a number"}:
         hint = ' (to mix numbers and text, write the numbers as strings: "7")'
@@ -604,9 +605,9 @@ class PromptRows:
             text, messages = raw, [{"role": "user", "content": raw}]
         else:
             messages = [{k: v for k, v in m.items() if v is not None or k in ("role", "content")} for m in raw]
-            text = next((m["content"] for m in reversed(messages) if m.get("role") == "user"), None)
-            if text is None:  # check_table refuses these; keep a usable text anyway
-                text = messages[-1].get("content") or ""
+            user_text = next((m["content"] for m in reversed(messages) if m.get("role") == "user"), None)
+            # No user message: check_table refuses these; keep a usable text anyway.
+            text = user_text if user_text is not None else messages[-1].get("content") or ""
         if self.system_prompt is not None and not any(m.get("role") == "system" for m in messages):
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         rec["row"] = r

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rollout_hpc.errors import TaskError
-from rollout_hpc.plugins import PluginError, checked_reward_fn, is_plugin_spec, load_plugin, load_reward
+from rollout_hpc.plugins import PluginError, checked_reward_fn, is_plugin_spec, load_plugin
 from rollout_hpc.rewards import builtin_reward, is_builtin_reward
 
 from .arithmetic import ArithmeticTask
@@ -92,8 +92,8 @@ def load_task(task_cfg, data_dir=None) -> Any:
             f"{who} is neither a built-in reward (math, exact, regex:PATTERN) nor a plugin "
             "('package.module:fn' or 'path/to/file.py:fn')"
         )
-    checked = load_reward(spec, "task.reward")
-    return CheckedRewardTask(task, checked, checked.__wrapped__, who)
+    raw = load_plugin(spec, "task.reward")
+    return CheckedRewardTask(task, checked_reward_fn(raw, who), raw, who)
 
 
 def check_task(cfg) -> Any:

@@ -16,6 +16,7 @@ The episode also ends after max_turns actions.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,7 +52,7 @@ class Level:
                     box = (y, x)
                 if ch in "@+":
                     player = (y, x)
-        if None in (target, box, player):
+        if target is None or box is None or player is None:
             raise ValueError("a sokoban level needs one target (.), one box ($) and one player (@)")
         return cls(frozenset(walls), (len(rows), max(len(r) for r in rows)), target, box, player)
 
@@ -107,7 +108,7 @@ class Level:
         return None
 
 
-def generate_level(seed: int, size: int = 5, interior_walls: int = 0, min_moves: int = 1) -> Level:
+def generate_level(seed: int | Sequence[int], size: int = 5, interior_walls: int = 0, min_moves: int = 1) -> Level:
     """A solvable level determined by `seed` (retries inside the same RNG stream)."""
     if size < 4:
         raise ValueError(f"task.params.size must be at least 4 (a 2x2 room inside the walls), got {size}")
@@ -157,6 +158,7 @@ class SokobanEnv:
         return (INSTRUCTIONS if self.instructions else "") + self.render()
 
     def render(self) -> str:
+        assert self.level is not None  # set by reset(), which every episode starts with
         return self.level.render(self.box, self.player) + "\n"
 
     def step(self, action_text: str) -> tuple[str, float, bool, dict]:

@@ -206,6 +206,7 @@ class Exchange:
         failure = None
         if self._worker is not None:
             try:
+                assert isinstance(self._worker, _Forwarder), "flush() is for generator ranks"
                 self._worker.flush(timeout)
             except BaseException as exc:
                 failure = exc

@@ -23,9 +23,13 @@ import os
 import re
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from rollout_hpc import _ring
 from rollout_hpc._ring import RecordTooLarge, RingClosed, RingError, RingTimeout
+
+if TYPE_CHECKING:
+    from rollout_hpc._ring import _Stats
 
 __all__ = ["Ring", "ring_path", "RingError", "RingTimeout", "RingClosed", "RecordTooLarge", "DEFAULT_RING_DIR"]
 
@@ -85,7 +89,7 @@ class Ring:
         """Removes the segment file (processes that have it open keep working)."""
         self._r.unlink()
 
-    def stats(self) -> dict:
+    def stats(self) -> _Stats:
         """Counters shared by every process on this segment (records/bytes in and out, fill,
         high-water mark, seconds blocked in push and pop, live producers/consumers, recoveries)."""
         return self._r.stats()

@@ -98,8 +98,10 @@ def run_local(cfg: Config, run_dir: Path, console: Console | None = None) -> int
                 terms.append(signum)
                 signum = signal.SIGUSR1
                 if terms[0] == signal.SIGINT:
-                    console.print("stopping after the current step (a checkpoint is written); Ctrl-C again to end now",
-                                  markup=False)
+                    console.print(
+                        "stopping after the current step (a checkpoint is written); Ctrl-C again to end now",
+                        markup=False,
+                    )
             proc.send_signal(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}

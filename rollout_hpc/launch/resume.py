@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -24,6 +25,10 @@ from rollout_hpc.config import Config, UserError, load_config
 from rollout_hpc.launch import rundir
 from rollout_hpc.launch.render import render_script
 from rollout_hpc.launch.status import ENDED, job_states, local_state
+from rollout_hpc.rundir_layout import TRAJECTORY_LOG
+
+if TYPE_CHECKING:
+    from rollout_hpc.store.checkpoint import CheckpointInfo  # imports torch: at run time only where needed
 
 FORCE_ENV = "ROLLOUT_RESUME_FORCE"
 DAMAGED_SUFFIX = ".damaged"
@@ -61,7 +66,7 @@ def live_jobs(run_dir: Path, manifest: dict) -> list[str]:
     return live
 
 
-def newest_valid_checkpoint(run_dir: Path, move_aside: bool = True) -> tuple[object, dict, list[str]] | None:
+def newest_valid_checkpoint(run_dir: Path, move_aside: bool = True) -> tuple[CheckpointInfo, dict, list[str]] | None:
     """(CheckpointInfo, meta, damaged lines) of the newest checkpoint that verifies; damaged newer ones are moved aside.
 
     A sharded checkpoint is verified through shard 0 (every shard's checksum attribute is checked too)."""
@@ -93,7 +98,7 @@ def logged_steps(run_dir: Path) -> int | None:
     """Steps the run's trajectory log holds (None: no log; -1: a log that cannot be read)."""
     from rollout_hpc.store.trajlog import TrajectoryReader  # in here: h5py; the CLI must start fast
 
-    path = run_dir / rundir.TRAJECTORY_LOG
+    path = run_dir / TRAJECTORY_LOG
     if not path.exists():
         return None
     try:
@@ -152,7 +157,7 @@ def apply_plan(plan: ResumePlan, launcher: str) -> None:
     """Write what the new allocation reads: the resolved config (with the overrides) and, for Slurm, its job script;
     with --from-scratch, move the old trajectory log aside (kept, never deleted)."""
     if plan.discard_log:
-        log = plan.run_dir / rundir.TRAJECTORY_LOG
+        log = plan.run_dir / TRAJECTORY_LOG
         if log.exists():
             stamp = rundir.now_utc().replace(":", "").replace("-", "")
             os.replace(log, log.with_name(f"trajectories.discarded-{stamp}.h5"))

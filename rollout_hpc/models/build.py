@@ -77,7 +77,8 @@ def _load_pretrained(path: Path, dtype: torch.dtype, vocab_size: int) -> torch.n
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"model.path {path}: could not load a causal LM: {exc}") from None
-    emb = model.get_input_embeddings().num_embeddings
+    # transformers types get_input_embeddings() as nn.Module; it is an nn.Embedding
+    emb: int = model.get_input_embeddings().num_embeddings  # type: ignore[assignment]
     if vocab_size > emb:
         raise ModelLoadError(
             f"model.path {path}: the tokenizer has {vocab_size} tokens but the model embeds only {emb}"

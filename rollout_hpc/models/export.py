@@ -296,7 +296,9 @@ def write_weights(
         n: int(np.prod(shape, dtype=np.int64)) * (itemsize if is_float else np.asarray(weights[n]).itemsize)
         for n, (shape, is_float) in names.items()
     }
-    shards, current, used = [], [], 0
+    shards: list[list[str]] = []
+    current: list[str] = []
+    used = 0
     for name in names:
         if current and used + sizes[name] > max_shard_bytes:
             shards.append(current)

@@ -23,12 +23,19 @@ from rollout_hpc.errors import ModelLoadError
 
 
 class Tokenizer(Protocol):
-    vocab_size: int
-    pad_id: int
-    eos_id: int
-    bos_id: int | None
-    stop_ids: tuple[int, ...]
-    chat_template: str | None
+    # Read-only to callers, so an implementation may hold a narrower type (the built-in one always has a BOS).
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def pad_id(self) -> int: ...
+    @property
+    def eos_id(self) -> int: ...
+    @property
+    def bos_id(self) -> int | None: ...
+    @property
+    def stop_ids(self) -> tuple[int, ...]: ...
+    @property
+    def chat_template(self) -> str | None: ...
 
     def encode(self, text: str) -> list[int]: ...
     def encode_prompt(self, text: str) -> list[int]: ...
@@ -75,7 +82,7 @@ class CharTokenizer:
     def __init__(self) -> None:
         self.pad_id, self.bos_id, self.eos_id = self.PAD, self.BOS, self.EOS
         self.stop_ids = (self.EOS,)
-        self.chat_template: str | None = CHAR_CHAT_TEMPLATE
+        self.chat_template = CHAR_CHAT_TEMPLATE
         self._special = 3
         self._backend = char_tokenizer_backend()
         vocab = self._backend.get_vocab(with_added_tokens=True)
@@ -206,7 +213,7 @@ class HFTokenizer:
                 f"model.path {self.path}: the tokenizer has no chat template; set "
                 "task.params.chat_template to none (raw text) or to a .jinja file"
             )
-        return self._tok.apply_chat_template(
+        return self._tok.apply_chat_template(  # type: ignore[return-value]  # transformers: str with tokenize=False
             [dict(m) for m in messages], chat_template=template, add_generation_prompt=True, tokenize=False
         )
 
@@ -216,7 +223,9 @@ class HFTokenizer:
         return list(self._tok.encode(self.render_chat(messages, template), add_special_tokens=False))
 
     def decode(self, ids, skip_special: bool = True) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+        return self._tok.decode(  # type: ignore[return-value]  # transformers: a str for one sequence
+            [int(i) for i in ids], skip_special_tokens=skip_special
+        )
 
 
 def generation_stop_ids(path: str | Path) -> list[int]:

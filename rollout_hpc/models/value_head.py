@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .build import build_model
@@ -14,7 +16,8 @@ class ValueModel(torch.nn.Module):
     def __init__(self, backbone: torch.nn.Module) -> None:
         super().__init__()
         self.backbone = backbone
-        hidden = backbone.config.hidden_size
+        config: Any = backbone.config  # a Hugging Face config (torch types module attributes as Tensor | Module)
+        hidden = config.hidden_size
         self.head = torch.nn.Linear(hidden, 1, dtype=next(backbone.parameters()).dtype)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)

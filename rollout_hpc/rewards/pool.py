@@ -32,7 +32,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from rollout_hpc.errors import RewardFatal
 from rollout_hpc.rewards import REWARD_ERROR, REWARD_OK, REWARD_TIMEOUT
@@ -59,6 +59,7 @@ class _Worker:
 
     def __init__(self, proc: subprocess.Popen):
         self.proc = proc
+        assert proc.stdout is not None  # started with stdout=PIPE
         self.fd = proc.stdout.fileno()
         self.buf = bytearray()
         self.ready = False
@@ -117,6 +118,7 @@ def _shutdown(procs: list[subprocess.Popen], owner: int) -> None:
     if os.getpid() != owner:
         return
     for proc in procs:
+        assert proc.stdin is not None  # started with stdin=PIPE
         try:
             proc.stdin.close()
         except OSError:
@@ -300,6 +302,7 @@ class RewardPool:
 
     def _send(self, w: _Worker, data: bytes) -> bool:
         view = memoryview(data)
+        assert w.proc.stdin is not None  # started with stdin=PIPE
         fd = w.proc.stdin.fileno()
         try:
             while view:
@@ -347,7 +350,7 @@ class RewardPool:
                     f"{self.start_timeout_s:g}s in a reward worker"
                 )
 
-    def _run(self, jobs: list[tuple[Any, str]]) -> list[RewardResult | None]:
+    def _run(self, jobs: list[tuple[Any, str]]) -> list[RewardResult]:
         n = len(jobs)
         results: list[RewardResult | None] = [None] * n
         pending = deque(range(n))
@@ -362,7 +365,8 @@ class RewardPool:
             self._check_timeouts(results, remaining, pending)
             self._check_start_timeouts()
             self._fill()
-        return results
+        assert None not in results  # remaining[0] == 0: every job has its result
+        return cast("list[RewardResult]", results)
 
     def _dispatch(self, jobs, pending: deque, results, remaining) -> None:
         idle = [w for w in self._workers if w.ready and not w.outstanding]

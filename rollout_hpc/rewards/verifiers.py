@@ -141,7 +141,7 @@ def exact_reward(response: str, answer: Any) -> float:
 # ---------------------------------------------------------------------------------------------------- regex
 
 
-def _compile(pattern: str, what: str) -> re.Pattern:
+def _compile(pattern: str | re.Pattern, what: str) -> re.Pattern:
     if isinstance(pattern, re.Pattern):
         return pattern
     try:
@@ -179,7 +179,7 @@ def regex_reward(pattern: str) -> Callable[[str, Any], float]:
                 return 0.0
 
     reward.__name__ = "regex_reward"
-    reward.pattern = rx.pattern
+    reward.__dict__["pattern"] = rx.pattern  # a function attribute, for whoever inspects the reward
     return reward
 
 
@@ -333,7 +333,7 @@ def builtin_reward(
         raise RewardSpecError(f"reward '{spec}': format weight must be a number, got {format_weight!r}") from None
     if not math.isfinite(weight):
         raise RewardSpecError(f"reward '{spec}': format weight must be finite, got {format_weight!r}")
-    kind = format_pattern if format_pattern else default_format
+    kind: str | re.Pattern | None = format_pattern if format_pattern else default_format
     if weight != 0.0 and kind is None:
         raise RewardSpecError(
             f"reward '{spec}': a format weight needs a format pattern (a regex the response must contain)"
@@ -346,12 +346,13 @@ def builtin_reward(
         def reward(answer: Any, response: str) -> float:
             return correctness(response, answer)
     else:
+        assert kind is not None  # checked above: a format weight needs a format pattern
 
         def reward(answer: Any, response: str) -> float:
             return correctness(response, answer) + weight * float(format_ok(response, kind))
 
     reward.__name__ = f"{spec.split(':', 1)[0]}_reward"
-    reward.spec = spec
+    reward.__dict__["spec"] = spec  # a function attribute, for whoever inspects the reward
     return reward
 
 

@@ -16,6 +16,7 @@ shells forward signals to whole process groups; the rank decides, and close() or
 
 from __future__ import annotations
 
+import io
 import numbers
 import os
 import pickle
@@ -24,6 +25,7 @@ import struct
 import sys
 import threading
 import time
+from typing import cast
 
 MSG_OK = 0
 MSG_ERROR = 1
@@ -117,7 +119,7 @@ def main(argv: list[str]) -> int:
     os.close(devnull)
     os.dup2(2, 1)
     try:
-        sys.stdout.reconfigure(line_buffering=True)
+        cast(io.TextIOWrapper, sys.stdout).reconfigure(line_buffering=True)  # typeshed: sys.stdout is a TextIO
     except Exception:
         pass
     stream = os.fdopen(proto_in, "rb", buffering=1 << 16)

@@ -7,6 +7,8 @@ batches from different generators never changes what is trained.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -92,7 +94,7 @@ def add_advantages(
     a = cfg.algorithm
     spec = algos.get_algorithm(a.name)
     rewards = step_plan.shaped_rewards(cfg, tensors["rewards"], tensors["response_len"])
-    params = {}
+    params: dict[str, Any] = {}  # keyword arguments of algos.compute_advantages
     if spec.kl_in == "reward" and a.kl_coef > 0:
         params.update(
             logprobs=tensors["old_logprobs"], ref_logprobs=ref_logprobs, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator

@@ -116,12 +116,13 @@ class Checkpointer:
         if not trainer.sharded_checkpoint:
             # Replicated backend: rank 0 read the file; the others take the same state from it.
             found = g.bcast(found, root=0)
+        assert found is not None  # step is not None: every rank has the checkpoint (shards: all or none)
         trainer.load_checkpoint_state(found[1])
         if self.world.group_rank == 0:
             print(f"rollout-hpc: resumed from {found[0]} (after step {step})", file=sys.stderr, flush=True)
         return step
 
-    def _load_shards(self):
+    def _load_shards(self) -> tuple[Path, dict, dict] | None:
         """(path, state, meta) of this rank's part of the newest sharded checkpoint that verifies, or None. Collective.
 
         Rank r of M reads shard r, and after a change of trainer count (N shards) also shards r+M, r+2M, ...

@@ -12,11 +12,13 @@ never leave the others blocked in MPI until the time limit.
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import signal
 import sys
 import traceback
 from pathlib import Path
+from typing import cast
 
 from rollout_hpc.config import load_config
 from rollout_hpc.errors import EntryError, UserError
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     # One write per line, whatever PYTHONUNBUFFERED says: unbuffered text I/O writes a print's text and its
     # newline separately, and mpirun/srun then splice lines of different ranks together.
     for stream in (sys.stdout, sys.stderr):
-        stream.reconfigure(line_buffering=True, write_through=False)
+        cast(io.TextIOWrapper, stream).reconfigure(line_buffering=True, write_through=False)  # typeshed: a TextIO
     try:
         return run(args.run_dir)
     except (WorldError, EntryError) as exc:

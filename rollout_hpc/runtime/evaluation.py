@@ -118,8 +118,13 @@ class Evaluator:
         gathered = self.world.group_comm.gather(local, root=0)
         if self.world.group_rank != 0:
             return
-        columns = [sum((g[c] for g in gathered), []) for c in range(4)]
-        m = eval_metrics(*columns, threshold=self.cfg.eval.pass_threshold, k=self.k)
+        # The group's rows, rank after rank.
+        group_ids, group_rewards, group_statuses, group_lengths = (
+            [x for g in gathered for x in g[c]] for c in range(4)
+        )
+        m = eval_metrics(
+            group_ids, group_rewards, group_statuses, group_lengths, threshold=self.cfg.eval.pass_threshold, k=self.k
+        )
         m.update(step=float(point), policy_version=float(min(g[4] for g in gathered)), eval_time=time.time() - t0)
         self.eval_comm.send(m, dest=self.logger_rank, tag=EVAL_TAG)
 

@@ -37,7 +37,7 @@ class RewardWorkers:
     reward: a wrong reward would silently train the model on garbage.
     """
 
-    def __init__(self, exchange, pool):
+    def __init__(self, exchange, pool) -> None:
         self.exchange, self.pool = exchange, pool
         self.lock = threading.Lock()  # one caller of the pool at a time (sender thread, eval, refills)
         self.queue: queue.Queue = queue.Queue(maxsize=4)  # bound the work in flight
@@ -195,7 +195,9 @@ def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights
 
     def evaluate_if_due(step: int) -> None:
         nonlocal version
-        point = schedule.due(step) if evaluator else None
+        if evaluator is None:
+            return
+        point = schedule.due(step)
         if point is None:
             return
         if version < point:  # off-policy runs: evaluate the point's own weights
@@ -233,6 +235,7 @@ def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights
                     if multi_turn:  # episodes score themselves turn by turn
                         exchange.put(gen.rollout(dataset, ids, a.group_size, world.rank, version))
                     else:
+                        assert workers is not None  # every single-turn task has reward workers
                         workers.submit(*generate_unscored(gen, dataset, ids, a.group_size, world.rank, version))
             else:
                 generate_with_refills(world, cfg, plan, gen, dataset, exchange, workers, version)

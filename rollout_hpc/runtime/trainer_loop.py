@@ -170,17 +170,20 @@ def run_trainer(
     exit_code = 0
     try:
         if warm and evals and start in warm.eval_points:
+            assert sink is not None  # evals and sink: both the logger's
             evals.wait_for(sink.log, start)
         t_prev = time.perf_counter()
         for step in range(start, total):
             t0 = time.perf_counter()
             if step < warmup:
+                assert warm is not None  # made whenever the run starts inside the warm-up
                 warm.step(step)
                 if step + 1 in warm.publish_at:  # the generators wait for these: an eval point, the start of RL
                     weights.publish(step + 1, trainer.full_weights())
                 # The generators are idle during warm-up: an eval point is evaluated on exactly its weights while
                 # the trainers wait (the other ranks wait in the next step's collectives), never left in flight.
                 if evals and step + 1 in warm.eval_points:
+                    assert sink is not None  # evals and sink: both the logger's
                     evals.wait_for(sink.log, step + 1)
                 t_prev = time.perf_counter()
                 if _checkpoint(ckpt, sink, checkpointed, step + 1, total):
@@ -214,6 +217,7 @@ def run_trainer(
             t_synced = time.perf_counter()
 
             if is_logger:
+                assert sink is not None  # the logger's
                 m = batch_metrics(batch, step)
                 m.update(adv_stats)
                 m.update(stats)
@@ -238,6 +242,7 @@ def run_trainer(
                 exit_code = checkpointing.EXIT_PREEMPTED
                 break
         if evals and exit_code == 0:  # the final eval runs on the last step's weights, published above
+            assert sink is not None  # evals and sink: both the logger's
             evals.wait_for(sink.log, total, lambda: checkpointing.stop_signalled())
     finally:
         if sink is not None:

@@ -21,8 +21,12 @@ import os
 import socket
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import mpi4py
+
+if TYPE_CHECKING:  # at run time mpi4py.MPI is imported by _mpi() only (the thread level must be set first)
+    from mpi4py import MPI
 
 from rollout_hpc.errors import WorldError
 
@@ -57,18 +61,18 @@ class RankInfo:
 
 @dataclass
 class World:
-    comm: object  # MPI.COMM_WORLD
+    comm: MPI.Intracomm  # MPI.COMM_WORLD
     rank: int
     size: int
     role: str  # "generator" | "trainer"
     group_rank: int
     group_size: int
-    group_comm: object  # the ranks of my role
-    inter_comm: object  # intercommunicator to the other role's group (remote ranks = their group ranks)
+    group_comm: MPI.Intracomm  # the ranks of my role
+    inter_comm: MPI.Intercomm  # intercommunicator to the other role's group (remote ranks = their group ranks)
     node_name: str
     node_index: int  # index of my node within my group, in order of group rank
     n_nodes: int  # nodes in my group
-    node_comm: object  # ranks of my role on my node
+    node_comm: MPI.Intracomm  # ranks of my role on my node
     local_rank: int
     local_size: int
     job_id: str  # SLURM_JOB_ID, or a token unique to this mpirun (names shared-memory segments)

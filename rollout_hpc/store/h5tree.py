@@ -36,7 +36,7 @@ import xxhash
 try:  # torch is optional for the store: plain numpy states work without it
     import torch
 except ImportError:  # pragma: no cover - torch is installed in every supported setup
-    torch = None
+    torch = None  # type: ignore[assignment]  # the module or None: mypy types the name as the module
 
 # torch dtypes numpy cannot hold: stored as the unsigned int of the same width.
 _NUMPY_LACKS = {
@@ -64,7 +64,7 @@ def _escape(key: str) -> str:
 
 def _bytes_of(arr: np.ndarray) -> memoryview:
     arr = np.ascontiguousarray(arr)
-    return memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(b"")
+    return arr.reshape(-1).view(np.uint8).data if arr.size else memoryview(b"")
 
 
 CHECKSUM_ALGO = "xxh3-128 per leaf, folded with sha256"
@@ -213,6 +213,7 @@ def read_tree(group: h5py.Group, hasher: LeafHasher, fd: int | None = None) -> d
         elif arr.size:
             ds.read_direct(arr)
     if direct:
+        assert fd is not None  # direct reads are planned only with a file descriptor
         with ThreadPoolExecutor(_READ_THREADS) as pool:
             list(pool.map(lambda job: _pread_into(fd, arrays[job[0]], job[1]), direct))
     for path in leaves:
@@ -222,7 +223,7 @@ def read_tree(group: h5py.Group, hasher: LeafHasher, fd: int | None = None) -> d
 
 
 def _pread_into(fd: int, arr: np.ndarray, offset: int) -> None:
-    view = memoryview(arr.reshape(-1).view(np.uint8))
+    view = arr.reshape(-1).view(np.uint8).data
     done = 0
     while done < len(view):  # preadv may return short counts (e.g. above 2 GiB)
         n = os.preadv(fd, [view[done:]], offset + done)

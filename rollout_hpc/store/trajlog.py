@@ -35,14 +35,14 @@ import numpy as np
 
 from rollout_hpc.errors import TrajectoryLogError
 from rollout_hpc.store.h5recover import clear_consistency_flags, consistency_flags
-from rollout_hpc.trajectory import FIXED_DTYPE, RAGGED, TrajectoryBatch
+from rollout_hpc.trajectory import FIXED_DTYPE, FIXED_NAMES, RAGGED, TrajectoryBatch
 from rollout_hpc.trajectory import LAYOUT_VERSION as RECORD_LAYOUT
 
 FORMAT = "rollout-hpc-trajectories"
 LOG_LAYOUT_VERSION = 1
 LOG_NAME = "trajectories.h5"
 
-ROW_COLUMNS = [n for n in FIXED_DTYPE.names if not n.startswith("_")] + ["step", "staleness"]
+ROW_COLUMNS = [n for n in FIXED_NAMES if not n.startswith("_")] + ["step", "staleness"]
 _ROW_DTYPES = {**{n: FIXED_DTYPE[n] for n in ROW_COLUMNS[:-2]}, "step": np.dtype("<i8"), "staleness": np.dtype("<i8")}
 # ragged array -> its offsets dataset (one offsets dataset per length field)
 OFFSETS = {"prompt_len": "prompt_offsets", "response_len": "response_offsets", "n_turns": "turn_offsets"}
