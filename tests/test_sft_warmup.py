@@ -87,8 +87,11 @@ def test_warmup_then_rl_interrupted_in_both_phases_matches_an_uninterrupted_run(
         assert metrics["step"].tolist() == list(range(WARMUP + STEPS))  # one metrics row per step, SFT ones too
         sft_loss = metrics["sft_loss"][:WARMUP]
         assert np.all(np.isfinite(sft_loss)) and sft_loss[-1] < sft_loss[0]  # the warm-up learns
-        ev = json.loads(cli("analyze", run, "--json", cwd=tmp_path).stdout)["eval"]
+        summary = json.loads(cli("analyze", run, "--json", cwd=tmp_path).stdout)
+        ev = summary["eval"]
         assert ev["step"] == [0, WARMUP, WARMUP + STEPS]  # before SFT, before the first RL update, at the end
+        assert summary["steps"] == STEPS and summary["sft"]["steps"] == WARMUP
+        assert summary["sft"]["loss_last"] < summary["sft"]["loss_first"]
 
 
 def test_an_sft_run_then_rl_from_it_with_model_init_from(tmp_path):

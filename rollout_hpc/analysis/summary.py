@@ -108,6 +108,24 @@ def _metric(table: dict[str, np.ndarray], name: str) -> np.ndarray | None:
     return None
 
 
+def _rl_rows(table: dict[str, np.ndarray], values: np.ndarray | None) -> np.ndarray | None:
+    """A metric's values on RL steps only (an SFT warm-up's rows have an sft_loss; they also log an entropy)."""
+    sft = table.get("sft_loss")
+    if values is None or sft is None:
+        return values
+    rl = values[np.isnan(sft)]
+    return rl if len(rl) and not np.isnan(rl).all() else None
+
+
+def _sft_summary(table: dict[str, np.ndarray]) -> dict | None:
+    """The SFT warm-up's steps and loss (None for a run without one)."""
+    sft = table.get("sft_loss")
+    if sft is None or np.isnan(sft).all():
+        return None
+    loss = sft[~np.isnan(sft)]
+    return {"steps": int(len(loss)), "loss_first": float(loss[0]), "loss_last": float(loss[-1])}
+
+
 def _stats(values: np.ndarray | None) -> dict | None:
     if values is None:
         return None
@@ -306,9 +324,10 @@ def _assemble(
             "histogram": {int(k): int(v) for k, v in enumerate(t.stale_hist) if v},
             "bound": meta.get("max_staleness"),
         },
-        "kl": _stats(_metric(table, "kl")),
-        "entropy": _stats(_metric(table, "entropy")),
-        "clip_fraction": _stats(_metric(table, "clip_frac")),
+        "kl": _stats(_rl_rows(table, _metric(table, "kl"))),
+        "entropy": _stats(_rl_rows(table, _metric(table, "entropy"))),
+        "clip_fraction": _stats(_rl_rows(table, _metric(table, "clip_frac"))),
+        "sft": _sft_summary(table),
         "time_s": time_totals,
         "tokens_per_s": t.tokens / wall if wall > 0 else float("nan"),
         "tokens_per_s_reported": _stats(_metric(table, "tokens_per_s")),

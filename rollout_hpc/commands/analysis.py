@@ -26,7 +26,7 @@ def _summary_table(summaries: dict[str, dict]) -> Table:
     for name in summaries:
         table.add_column(name, justify="right")
     rows = [
-        ("steps", lambda s: s["steps"]),
+        ("steps", lambda s: s["steps"] if not s.get("sft") else f"{s['steps']} RL + {s['sft']['steps']} SFT"),
         ("trajectories", lambda s: s["samples"]),
         ("tokens", lambda s: s["tokens"]),
         ("wall time", lambda s: f"{s['wall_time_s'] / 60:.1f} min"),
@@ -62,6 +62,10 @@ def _summary_table(summaries: dict[str, dict]) -> Table:
         ("tokens / s (wall)", lambda s: f"{s['tokens_per_s']:.4g}"),
     ]
     listed = list(summaries.values())
+    if any(s.get("sft") for s in listed):  # an SFT warm-up before RL
+        rows.insert(
+            1, ("SFT loss first → last", lambda s: f"{s['sft']['loss_first']:.4g} → {s['sft']['loss_last']:.4g}")
+        )
     if any(s.get("reward_errors") for s in listed):  # stand-in 0 rewards: shown only when there are some
         rows.append(("reward errors (timeouts)", lambda s: f"{s['reward_errors']} ({s['reward_timeouts']})"))
     if any(s.get("eval") for s in listed):  # validation during training
