@@ -1,4 +1,5 @@
-"""Synthetic trajectory batches and logs, built vectorised: for tests and benchmarks of the store and analysis."""
+"""Synthetic trajectory batches and logs, built vectorised: test fixtures (and tools/bench_analysis.py) for the
+store and the analysis. Tests import it as `synthetic_trajectories` (tests/ is on their sys.path, as tiny_hf)."""
 
 from __future__ import annotations
 

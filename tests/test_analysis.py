@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import tracemalloc
+from pathlib import Path
 
 import h5py
 import matplotlib.image as mpimg
@@ -17,6 +18,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from synthetic_trajectories import synthetic_batch, write_synthetic_log
 
 from rollout_hpc.analysis.export import export_run
 from rollout_hpc.analysis.figures import FIGURES, write_run_figures
@@ -25,7 +27,6 @@ from rollout_hpc.analysis.samples import load_samples, render_sample, select_row
 from rollout_hpc.analysis.summary import analyze_run, summarize
 from rollout_hpc.cli import main
 from rollout_hpc.store.checkpoint import save_checkpoint, weights_digest
-from rollout_hpc.store.synthetic import synthetic_batch, write_synthetic_log
 from rollout_hpc.store.trajlog import TrajectoryLog, TrajectoryReader
 
 LARGE_STEPS, LARGE_PER_STEP = 200, 1000  # 200k trajectories
@@ -158,9 +159,11 @@ def test_one_token_answers_are_not_reported_as_truncated(tmp_path):
     assert not any("hit max_new_tokens" in w for w in summary["warnings"])
 
 
-_WRITER = textwrap.dedent("""
+_WRITER = (
+    f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})  # synthetic_trajectories\n"
+    + textwrap.dedent("""
     import sys, numpy as np
-    from rollout_hpc.store.synthetic import synthetic_batch
+    from synthetic_trajectories import synthetic_batch
     from rollout_hpc.store.trajlog import TrajectoryLog
     rng = np.random.default_rng(0)
     log = TrajectoryLog.open_for_append(sys.argv[1], {"run_name": "live", "max_new_tokens": 16})
@@ -170,6 +173,7 @@ _WRITER = textwrap.dedent("""
     print("ready", flush=True)
     sys.stdin.readline()
 """)
+)
 
 
 def test_live_and_killed_logs_are_analyzed(tmp_path, capsys):

@@ -16,6 +16,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from synthetic_trajectories import synthetic_batch
 
 from rollout_hpc.config import load_config
 from rollout_hpc.store.checkpoint import (
@@ -35,7 +36,6 @@ from rollout_hpc.store.checkpoint import (
 )
 from rollout_hpc.store.h5tree import StateTypeError
 from rollout_hpc.store.rng import capture_rng_state, restore_rng_state
-from rollout_hpc.store.synthetic import synthetic_batch
 from rollout_hpc.trajectory import TrajectoryBatch
 
 

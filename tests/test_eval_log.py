@@ -13,13 +13,13 @@ import h5py
 import matplotlib.image as mpimg
 import numpy as np
 import pytest
+from synthetic_trajectories import synthetic_batch
 
 from rollout_hpc.analysis.export import export_run
 from rollout_hpc.analysis.figures import FIGURES, eval_figure, write_run_figures
 from rollout_hpc.analysis.report import write_report
 from rollout_hpc.analysis.summary import analyze_run, summarize
 from rollout_hpc.cli import main
-from rollout_hpc.store.synthetic import synthetic_batch
 from rollout_hpc.store.trajlog import STANDARD_EVAL_METRICS, TrajectoryLog, TrajectoryReader, read_eval
 from rollout_hpc.trajectory import REWARD_ERROR, REWARD_TIMEOUT
 

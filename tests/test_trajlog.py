@@ -7,13 +7,14 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
+from synthetic_trajectories import synthetic_batch
 
 from rollout_hpc.store.h5recover import consistency_flags
-from rollout_hpc.store.synthetic import synthetic_batch
 from rollout_hpc.store.trajlog import TrajectoryLog, TrajectoryLogError, TrajectoryReader, read_metrics
 from rollout_hpc.trajectory import TrajectoryBatch
 
@@ -68,9 +69,11 @@ def test_round_trip_and_metrics(tmp_path):
         assert r.meta["group_size"] == 4 and r.meta["max_new_tokens"] == 16
 
 
-_WRITER = textwrap.dedent("""
+_WRITER = (
+    f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})  # synthetic_trajectories\n"
+    + textwrap.dedent("""
     import sys, numpy as np
-    from rollout_hpc.store.synthetic import synthetic_batch
+    from synthetic_trajectories import synthetic_batch
     from rollout_hpc.store.trajlog import TrajectoryLog
     path, mode, steps, per_step = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     rng = np.random.default_rng(0)
@@ -89,6 +92,7 @@ _WRITER = textwrap.dedent("""
         sys.stdin.readline()
     log.close()
 """)
+)
 
 
 def _writer(tmp_path, mode, steps, per_step):

@@ -23,9 +23,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the synthetic log the tests use too
+
+from synthetic_trajectories import write_synthetic_log  # noqa: E402
 
 from rollout_hpc.analysis.export import export_run  # noqa: E402
-from rollout_hpc.store.synthetic import write_synthetic_log  # noqa: E402
 
 PER_STEP = 1000
 
