@@ -17,7 +17,7 @@ from typing import Any
 
 from rollout_hpc.config import ConfigError
 
-from .generate_hf import Generation, Generator, SamplingParams, cut_at_stop_strings
+from .generator import Generation, Generator, SamplingParams, cut_at_stop_strings
 
 NEEDS = "generator.backend 'vllm' needs vLLM and a GPU; install with pip install vllm on a GPU node, or use backend hf"
 
