@@ -6,7 +6,7 @@ from typing import Any
 
 from rollout_hpc.errors import TaskError
 from rollout_hpc.plugins import PluginError, checked_reward_fn, is_plugin_spec, load_plugin
-from rollout_hpc.rewards import builtin_reward, is_builtin_reward
+from rollout_hpc.rewards import CODE_PARAMS, builtin_reward, is_builtin_reward
 
 from .arithmetic import ArithmeticTask
 from .base import is_multi_turn
@@ -54,6 +54,7 @@ def eval_prompts(task: Any, seed: int):
 def load_task(task_cfg, data_dir=None) -> Any:
     """Build the task of `cfg.task` (a TaskSection). data_dir: RUN_DIR/data, where a dataset task's rows were frozen."""
     name, params = task_cfg.name, dict(task_cfg.params)
+    params = {k: v for k, v in params.items() if k not in CODE_PARAMS}  # the code reward's limits, not the task's
     if name in BUILTIN_TASKS:
         if name == "dataset":
             params["data_dir"] = data_dir
@@ -85,7 +86,8 @@ def load_task(task_cfg, data_dir=None) -> Any:
         )
     who = f"task.reward '{spec}'"
     if is_builtin_reward(spec):
-        raw = answer_reward(builtin_reward(spec, task_cfg.format_reward, task_cfg.format_pattern))
+        fn = builtin_reward(spec, task_cfg.format_reward, task_cfg.format_pattern, task_cfg.params)
+        raw = answer_reward(fn)
         return CheckedRewardTask(task, checked_reward_fn(raw, who), raw, who)
     if not is_plugin_spec(spec):
         raise TaskError(

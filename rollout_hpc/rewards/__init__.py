@@ -1,4 +1,4 @@
-"""Verifiable rewards: built-in verifiers (math, exact, regex) and a process pool that scores responses with a
+"""Verifiable rewards: built-in verifiers (math, exact, regex, code) and a process pool that scores responses with a
 per-sample timeout. Semantics: docs/rewards.md.
 
 This package stays light: `python -m rollout_hpc.rewards.worker` imports it in every reward worker, so nothing is
@@ -29,6 +29,11 @@ _LAZY = {
     "regex_reward": "verifiers",
     "format_ok": "verifiers",
     "gold_answer": "verifiers",
+    "code_reward": "code_sandbox",
+    "code_limits": "code_sandbox",
+    "CodeLimits": "code_sandbox",
+    "CodeSandboxError": "code_sandbox",
+    "CODE_PARAMS": "code_sandbox",
 }
 
 __all__ = ["REWARD_OK", "REWARD_ERROR", "REWARD_TIMEOUT", *_LAZY]

@@ -25,6 +25,7 @@ from functools import lru_cache
 from typing import Any
 
 from rollout_hpc.errors import RewardSpecError
+from rollout_hpc.rewards.code_sandbox import CODE_FENCE, code_limits, code_reward
 
 # ---------------------------------------------------------------------------------------------------- answers
 
@@ -299,29 +300,36 @@ BUILTIN_REWARDS: dict[str, Callable[[str, Any], float]] = {"math": math_reward, 
 
 
 def is_builtin_reward(spec: Any) -> bool:
-    """True for "math", "exact" and "regex:PATTERN" (check this before treating a spec as a 'module:attr' plugin:
-    "regex:..." contains a colon)."""
-    return isinstance(spec, str) and (spec in BUILTIN_REWARDS or spec.startswith("regex:"))
+    """True for "math", "exact", "code" and "regex:PATTERN" (check this before treating a spec as a 'module:attr'
+    plugin: "regex:..." contains a colon)."""
+    return isinstance(spec, str) and (spec in BUILTIN_REWARDS or spec == "code" or spec.startswith("regex:"))
 
 
 def builtin_reward(
-    spec: str, format_weight: float = 0.0, format_pattern: str | None = None
+    spec: str,
+    format_weight: float = 0.0,
+    format_pattern: str | None = None,
+    params: Mapping[str, Any] | None = None,
 ) -> Callable[[Any, str], float] | None:
     """The built-in reward `spec` names, as `fn(answer, response) -> float`, or None when spec is not a built-in
     (then it is a plugin spec). The reward is `correctness + format_weight * format_ok(response, kind)` where kind
-    is format_pattern if given, else "math" for math and the reward's own pattern for regex; "exact" with a
-    nonzero format_weight needs a format_pattern. Invalid patterns raise RewardSpecError (a UserError).
+    is format_pattern if given, else "math" for math, the reward's own pattern for regex and a fenced code block
+    for code; "exact" with a nonzero format_weight needs a format_pattern. Invalid patterns raise RewardSpecError
+    (a UserError). params: the task.params a reward reads (code: its code_* limits, code_sandbox.code_limits).
 
     Also the pool factory of the built-ins: RewardPool("rollout_hpc.rewards.verifiers:builtin_reward", (spec, w, p)).
     """
     if not is_builtin_reward(spec):
         return None
-    if spec.startswith("regex:"):
+    if spec == "code":
+        correctness = code_reward(code_limits(params))
+        default_format: str | None = CODE_FENCE.pattern
+    elif spec.startswith("regex:"):
         pattern = spec[len("regex:") :]
         if not pattern:
             raise RewardSpecError(f"reward '{spec}': the regex after 'regex:' is empty")
         correctness = regex_reward(pattern)
-        default_format: str | None = pattern
+        default_format = pattern
     else:
         correctness = BUILTIN_REWARDS[spec]
         default_format = "math" if spec == "math" else None
