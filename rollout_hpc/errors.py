@@ -7,10 +7,10 @@ so `except ValueError` never swallows a message meant for the user.
 
 Defined here, and importable from the module that raises them as well: PluginError (rollout_hpc.plugins),
 CheckpointError, CheckpointCorrupt, ConfigMismatch (rollout_hpc.store.checkpoint), TrajectoryLogError
-(rollout_hpc.store.trajlog), WorldError (rollout_hpc.runtime.world), EntryError (rollout_hpc.runtime.entry).
-Still defined beside their code (all UserError subclasses): TaskError (envs.registry), RewardFatal and
-RewardSpecError (rewards), TrainerError (backends.trainer), VLLMUnavailable (backends.generate_vllm),
-CriticError (runtime.critic).
+(rollout_hpc.store.trajlog), WorldError (rollout_hpc.runtime.world), EntryError (rollout_hpc.runtime.entry),
+TaskError (envs.registry), RewardFatal and RewardSpecError (rewards), TrainerError (backends.trainer),
+VLLMUnavailable (backends.generate_vllm). Still defined beside its code (a UserError subclass): CriticError
+(runtime.critic).
 """
 
 from __future__ import annotations
@@ -74,3 +74,11 @@ class WorldError(UserError):
 
 class EntryError(UserError):
     """The run directory or the program cannot be started (user-fixable)."""
+
+
+class TrainerError(UserError):
+    """A trainer backend that cannot run here; the message says what to use instead."""
+
+
+class VLLMUnavailable(ConfigError):
+    """generator.backend 'vllm' without vLLM or a GPU; the message says what to do."""

@@ -15,21 +15,18 @@ import os
 import tempfile
 from typing import Any
 
-from rollout_hpc.config import ConfigError
+import torch
+
+from rollout_hpc.errors import VLLMUnavailable
 
 from .generator import Generation, Generator, SamplingParams, cut_at_stop_strings
 
 NEEDS = "generator.backend 'vllm' needs vLLM and a GPU; install with pip install vllm on a GPU node, or use backend hf"
 
 
-class VLLMUnavailable(ConfigError):
-    """vLLM or a GPU is missing; the message says what to do."""
-
-
 def _import_vllm():
     try:
-        import torch
-        import vllm
+        import vllm  # in here: a heavy optional dependency (GPU nodes only)
     except ImportError as exc:
         raise VLLMUnavailable(f"{NEEDS} (import failed: {exc})") from None
     if not torch.cuda.is_available():
@@ -39,8 +36,6 @@ def _import_vllm():
 
 def _load_weights_on_worker(worker, weights: list[tuple[str, Any]]) -> None:
     """Runs inside each vLLM worker (collective_rpc): copy the new weights into its shard."""
-    import torch
-
     worker.model_runner.model.load_weights(weights=[(k, torch.as_tensor(v)) for k, v in weights])
 
 

@@ -18,19 +18,19 @@ on the same or a different number of trainer ranks and ZeRO stage, exactly.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import sys
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from rollout_hpc.backends.trainer import (
-    Trainer,
-    TrainerError,
-    init_torch_distributed,
-    make_optimizer,
-)
+from rollout_hpc.backends.optimizer import make_optimizer
+from rollout_hpc.backends.trainer import Trainer, init_torch_distributed
+from rollout_hpc.errors import TrainerError
 from rollout_hpc.store.rng import capture_rng_state, restore_rng_state
 
 
@@ -62,9 +62,6 @@ def deepspeed_config(cfg) -> dict:
 def _ninja_on_path() -> None:
     """DeepSpeed JIT-builds its CPU communication op with ninja; the pip `ninja` package puts it next to
     the interpreter, which is not on PATH when a venv's python is run by full path (mpirun, srun)."""
-    import shutil
-    import sys
-
     if shutil.which("ninja") is None:
         bindir = os.path.dirname(sys.executable)
         if os.path.exists(os.path.join(bindir, "ninja")):
@@ -78,7 +75,7 @@ class DeepSpeedTrainer(Trainer):
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
             _ninja_on_path()
         try:
-            import deepspeed
+            import deepspeed  # in here: a heavy optional dependency, imported only when this backend is chosen
         except ImportError as exc:
             raise TrainerError(
                 f"trainer.backend 'deepspeed' needs the deepspeed package ({exc}); pip install deepspeed, or use backend 'torch'"
@@ -134,8 +131,6 @@ class DeepSpeedTrainer(Trainer):
 
     def _gathered(self, modifier_rank=None):
         """Context in which every parameter is whole (a no-op below ZeRO-3)."""
-        import contextlib
-
         if self.stage != 3:
             return contextlib.nullcontext()
         return self._deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=modifier_rank)
@@ -147,8 +142,6 @@ class DeepSpeedTrainer(Trainer):
 
     def load_full_weights(self, weights: dict[str, np.ndarray] | None) -> None:
         """Set every parameter from group rank 0's `weights` (other ranks may pass None). Collective."""
-        import torch.distributed as dist
-
         with self._gathered(modifier_rank=0), torch.no_grad():
             tensors = self.module.state_dict(keep_vars=True)
             if self.world.group_rank == 0:
@@ -221,7 +214,7 @@ class DeepSpeedTrainer(Trainer):
 
     def _full(self, param, key: str) -> torch.Tensor:
         """The whole fp32 master value ("fp32") or AdamW moment of `param`. Collective under ZeRO."""
-        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # optional dependency
 
         if hasattr(param, "ds_id") or hasattr(param, "_hp_mapping"):  # partitioned by ZeRO (or bf16's fp32 copy)
             return safe_get_full_fp32_param(param) if key == "fp32" else safe_get_full_optimizer_state(param, key)
@@ -229,7 +222,7 @@ class DeepSpeedTrainer(Trainer):
 
     def _set_full(self, param, key: str, value: torch.Tensor) -> None:
         """Set this rank's part of `param`'s fp32 master value or AdamW moment from the whole `value`."""
-        from deepspeed import utils as ds
+        from deepspeed import utils as ds  # optional dependency
 
         if hasattr(param, "ds_id"):
             # ZeRO-3: rank r owns elements [r*k, (r+1)*k), zero-padded at the end. Its safe_set_full_* slices the

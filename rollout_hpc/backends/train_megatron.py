@@ -19,8 +19,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
-from rollout_hpc.backends.trainer import Trainer, TrainerError, init_torch_distributed, make_optimizer
+from rollout_hpc.backends.optimizer import make_optimizer
+from rollout_hpc.backends.trainer import Trainer, init_torch_distributed
+from rollout_hpc.errors import TrainerError
 from rollout_hpc.store.rng import capture_rng_state, restore_rng_state
 
 NEEDS = "trainer.backend 'megatron' needs megatron-core and CUDA GPUs; use torch or deepspeed on CPUs"
@@ -195,8 +198,6 @@ class MegatronTrainer(Trainer):
         self.engine = self.module
         self.dp_group = parallel_state.get_data_parallel_group()
         if parallel_state.get_data_parallel_world_size() > 1:
-            from torch.nn.parallel import DistributedDataParallel
-
             self.engine = DistributedDataParallel(
                 self.module, device_ids=[self.device.index], process_group=self.dp_group
             )

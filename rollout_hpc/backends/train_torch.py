@@ -14,12 +14,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
-from rollout_hpc.backends.trainer import (
-    Trainer,
-    init_torch_distributed,
-    make_optimizer,
-)
+from rollout_hpc.backends.optimizer import make_optimizer
+from rollout_hpc.backends.trainer import Trainer, init_torch_distributed
 from rollout_hpc.store.rng import capture_rng_state, restore_rng_state
 
 
@@ -33,8 +31,6 @@ class TorchTrainer(Trainer):
         # A ScoringModel (chunked log-probs inside the engine's forward), wrapped in DDP across several ranks.
         self.engine: torch.nn.Module = self._prepare_model(self.module)
         if world.group_size > 1:
-            from torch.nn.parallel import DistributedDataParallel
-
             self.engine = DistributedDataParallel(
                 self.engine, device_ids=[self.device.index] if self.device.type == "cuda" else None
             )

@@ -27,172 +27,28 @@ fp32 logits never exist for a whole micro-batch.
 from __future__ import annotations
 
 import contextlib
-import math
+import importlib
 import os
 import socket
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.checkpoint import checkpoint
+import torch.distributed as dist
 
-from rollout_hpc.config import UserError
+from rollout_hpc.algos.losses import masked_mean
+from rollout_hpc.errors import TrainerError
+from rollout_hpc.models.packing import check_packable
+
+from .micro_batches import micro_batch, micro_batch_weights, pad_time, split_micro_batches
+from .optimizer import lr_at, make_optimizer
+from .token_scores import ScoringModel, lm_token_scores, mask_positions, model_logits, score_tokens, token_logprobs
 
 # loss_fn(logprobs [B,T], entropy [B,T], batch) -> (scalar loss, {metric: float})
 LossFn = Callable[[torch.Tensor, torch.Tensor, dict], "tuple[torch.Tensor, dict[str, float]]"]
-
-
-class TrainerError(UserError):
-    """A trainer backend that cannot run here; the message says what to use instead."""
-
-
-# --- scoring tokens ------------------------------------------------------------------------------
-def token_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log p(x_t | x_<t) and the entropy of that prediction, shape [B, T], column 0 = 0,
-    from full logits (the reference implementation; `lm_token_scores` does it in chunks).
-
-    Logits are divided by the sampling temperature so the trainer scores tokens
-    under the same distribution the generators sampled from.
-    """
-    logits = logits[:, :-1].float() / temperature
-    logz = torch.logsumexp(logits, dim=-1)
-    picked = torch.gather(logits, -1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - logz
-    probs = torch.softmax(logits, dim=-1)
-    entropy = logz - (probs * logits).sum(-1)
-    pad = picked.new_zeros(picked.shape[0], 1)
-    return torch.cat([pad, picked], 1), torch.cat([pad, entropy], 1)
-
-
-def model_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Logits of a Hugging Face style causal LM (or any module returning logits)."""
-    # Right-padded rows: the default positions 0..T-1 are each real token's index, as in generation.
-    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    return out.logits if hasattr(out, "logits") else out
-
-
-def _body_and_head(model):
-    """(decoder returning last hidden states, output projection) of a HF causal LM whose logits are
-    exactly head(hidden) (Llama, Qwen2, Mistral, ...); None where that is not known to hold."""
-    body, head = getattr(model, "model", None), getattr(model, "lm_head", None)
-    if not isinstance(body, torch.nn.Module) or not isinstance(head, torch.nn.Linear):
-        return None
-    conf = getattr(model, "config", None)
-    if getattr(conf, "final_logit_softcapping", None) or getattr(conf, "logit_scale", None) not in (None, 1, 1.0):
-        return None  # logits are transformed after the projection: score from the model's own logits
-    return body, head
-
-
-def _chunk_scores(head: torch.nn.Module, temperature: float, hidden: torch.Tensor, targets: torch.Tensor):
-    """log p(target) and entropy for [N, H] hidden states: one chunk's [N, V] fp32 logits, freed on return."""
-    logits = head(hidden).float() / temperature
-    logz = torch.logsumexp(logits, dim=-1)
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
-    entropy = logz - (torch.exp(logits - logz.unsqueeze(-1)) * logits).sum(-1)
-    return picked, entropy
-
-
-def lm_token_scores(
-    model,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    temperature: float = 1.0,
-    chunk_tokens: int | None = 1024,
-    positions: torch.Tensor | None = None,
-):
-    """(logp, entropy) [B, T] as `token_logprobs(model_logits(...))`, without full-vocabulary logits.
-
-    Only the positions where `positions` is non-zero are scored (all but column 0 if None); the rest are 0.
-    The last hidden states are projected `chunk_tokens` tokens at a time; under autograd each chunk is
-    recomputed in backward (activation checkpointing), so at most one chunk of fp32 logits is alive.
-    chunk_tokens None, or a model whose logits are not a plain projection: full logits (the old path).
-    """
-    split = _body_and_head(model) if chunk_tokens else None
-    B, T = input_ids.shape
-    if split is None:
-        logp, ent = token_logprobs(model_logits(model, input_ids, attention_mask), input_ids, temperature)
-        if positions is not None:
-            m = (positions != 0).to(logp.dtype)
-            logp, ent = logp * m, ent * m
-        return logp, ent
-    body, head = split
-    assert chunk_tokens is not None  # split is looked for only with chunk_tokens
-    hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    sel = (
-        torch.ones(B, T - 1, dtype=torch.bool, device=input_ids.device) if positions is None else positions[:, 1:] != 0
-    )
-    rows, cols = sel.nonzero(as_tuple=True)
-    h, targets = hidden[:, :-1][rows, cols], input_ids[:, 1:][rows, cols]
-    fn = partial(_chunk_scores, head, temperature)
-    pieces = []
-    for s in range(0, h.shape[0], chunk_tokens):
-        hs, ts = h[s : s + chunk_tokens], targets[s : s + chunk_tokens]
-        pieces.append(checkpoint(fn, hs, ts, use_reentrant=False) if hs.requires_grad else fn(hs, ts))
-    logp = hidden.new_zeros(B, T, dtype=torch.float32)
-    ent = hidden.new_zeros(B, T, dtype=torch.float32)
-    if pieces:
-        lp, en = torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces])
-        logp = logp.index_put((rows, cols + 1), lp)
-        ent = ent.index_put((rows, cols + 1), en)
-    elif torch.is_grad_enabled() and hidden.requires_grad:
-        # Nothing to score (every mask zero): still use the head once, times 0, so the loss has a graph and
-        # every parameter a gradient (DDP and ZeRO wait for all of them).
-        lp, en = fn(hidden[:1, 0], input_ids[:1, 0])
-        logp = logp + 0.0 * lp.sum()
-        ent = ent + 0.0 * en.sum()
-    return logp, ent
-
-
-@torch.no_grad()
-def score_tokens(
-    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg, positions: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Per-token log-probs [B, T] of a model outside any engine (the frozen reference), on the CPU: in
-    micro-batches of trainer.max_tokens_per_microbatch / micro_batch_size, chunked like the trainer's."""
-    t = cfg.trainer
-    device = next(model.parameters()).device
-    B, T = input_ids.shape
-    batch = {"input_ids": input_ids, "attention_mask": attention_mask}
-    if positions is not None:
-        batch["mask"] = positions
-    parts = split_micro_batches(attention_mask, t.max_tokens_per_microbatch, t.micro_batch_size)
-    outs = []
-    for rows in parts:
-        mb = batch if len(parts) == 1 else micro_batch(batch, rows)
-        mb = {k: v.to(device) for k, v in mb.items()}
-        lp = lm_token_scores(
-            model,
-            mb["input_ids"],
-            mb["attention_mask"],
-            cfg.algorithm.temperature,
-            t.logprob_chunk_tokens,
-            mb.get("mask"),
-        )[0]
-        outs.append(_pad_time(lp.cpu(), T))
-    return torch.cat(outs) if outs else torch.zeros(0, T)
-
-
-class ScoringModel(torch.nn.Module):
-    """What the engines (DDP, DeepSpeed) wrap: the model, whose forward gives either its raw output
-    (logits; values for a critic) or chunked per-token log-probs, so everything runs inside the
-    engine's forward (DDP's gradient hooks, ZeRO-3's parameter gathering). Names of parameters are
-    the inner model's: backends keep `self.module = scoring.model`."""
-
-    def __init__(self, model: torch.nn.Module, temperature: float, chunk_tokens: int | None):
-        super().__init__()
-        self.model = model
-        self.temperature = temperature
-        self.chunk_tokens = chunk_tokens
-
-    def forward(self, input_ids, attention_mask, positions=None, scores: bool = False):
-        if not scores:
-            return model_logits(self.model, input_ids, attention_mask)
-        return lm_token_scores(self.model, input_ids, attention_mask, self.temperature, self.chunk_tokens, positions)
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module) -> bool:
@@ -212,119 +68,6 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> bool:
     return True
 
 
-# --- micro-batches -----------------------------------------------------------------------------
-def split_micro_batches(
-    attention_mask: torch.Tensor, max_tokens: int | None = None, max_rows: int | None = None, min_parts: int = 1
-) -> list[np.ndarray]:
-    """Contiguous row ranges whose padded size (rows x longest row) stays within `max_tokens` and whose row
-    count within `max_rows` (a row longer than the budget is a micro-batch of its own); then the largest
-    parts are halved until there are at least `min_parts` (so every rank of a group can run the same number).
-    With neither bound: one part, all rows."""
-    lengths = (
-        attention_mask.sum(dim=1).cpu().numpy().astype(np.int64) if attention_mask.numel() else np.zeros(0, np.int64)
-    )
-    n = len(lengths)
-    parts: list[np.ndarray] = []
-    start = 0
-    longest = 0
-    for i in range(n):
-        longest_with = max(longest, int(lengths[i]), 1)
-        rows_with = i - start + 1
-        over = (max_tokens is not None and rows_with * longest_with > max_tokens) or (
-            max_rows is not None and rows_with > max_rows
-        )
-        if over and i > start:
-            parts.append(np.arange(start, i))
-            start, longest_with = i, max(int(lengths[i]), 1)
-        longest = longest_with
-    if n:
-        parts.append(np.arange(start, n))
-    else:
-        parts.append(np.arange(0))
-    while len(parts) < min_parts:
-        big = max(range(len(parts)), key=lambda k: len(parts[k]))
-        if len(parts[big]) < 2:
-            parts.append(np.arange(0))  # fewer rows than parts: an empty micro-batch (weight 0)
-            continue
-        half = len(parts[big]) // 2
-        parts[big : big + 1] = [parts[big][:half], parts[big][half:]]
-    return parts
-
-
-def micro_batch(batch: dict, rows: np.ndarray) -> dict:
-    """Rows of every [B, ...] tensor; [B, T] tensors trimmed to the longest row (right padding only).
-    No rows: row 0 with every mask zeroed (a weight-0 micro-batch that keeps collectives in step)."""
-    attn = batch["attention_mask"]
-    B, T = attn.shape
-    empty = len(rows) == 0
-    idx = torch.from_numpy(np.asarray(rows if not empty else [0], np.int64)).to(attn.device)
-    keep = int(attn.index_select(0, idx).sum(dim=1).max()) if B else T
-    keep = max(min(keep, T), 2)
-    out = {}
-    for k, v in batch.items():
-        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == B:
-            v = v.index_select(0, idx)
-            if v.dim() >= 2 and v.shape[1] == T:
-                v = v[:, :keep]
-            if empty and k in ("mask", "loss_mask"):
-                v = torch.zeros_like(v)
-        out[k] = v
-    return out
-
-
-def micro_batch_weights(batch: dict, parts: list[np.ndarray], agg: str | None, mask_key: str) -> list[float]:
-    """Each micro-batch's share of the step's loss, so that sum_i w_i * loss(micro-batch i) equals the loss
-    of the whole batch: its share of the valid tokens (token_mean), of the sequences with a valid token
-    (seq_mean), or of the rows (no mask)."""
-    mask = batch.get(mask_key)
-    if mask is None or agg is None:
-        counts = [float(len(p)) for p in parts]
-    elif agg == "token_mean":
-        per_row = mask.sum(dim=-1).double().cpu().numpy()
-        counts = [float(per_row[p].sum()) for p in parts]
-    elif agg == "seq_mean":
-        per_row = (mask.sum(dim=-1) > 0).double().cpu().numpy()
-        counts = [float(per_row[p].sum()) for p in parts]
-    else:
-        raise ValueError(f"loss aggregation '{agg}' is not one of token_mean, seq_mean")
-    total = sum(counts)
-    if total <= 0:  # nothing to learn from: every part counts by its rows (the loss is 0 anyway)
-        counts, total = [float(len(p)) for p in parts], float(max(sum(len(p) for p in parts), 1))
-    return [c / total for c in counts]
-
-
-def _pad_time(x: torch.Tensor, T: int) -> torch.Tensor:
-    """Right-pad dimension 1 ([b, t, ...]) to T with zeros."""
-    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, T - x.shape[1]))
-
-
-# --- optimizer and learning-rate schedule ------------------------------------------------------
-def make_optimizer(params, algorithm) -> torch.optim.Optimizer:
-    """AdamW from algorithm.lr, adam_betas, adam_eps, weight_decay (one parameter group, as verl)."""
-    a = algorithm
-    return torch.optim.AdamW(params, lr=a.lr, betas=tuple(a.adam_betas), eps=a.adam_eps, weight_decay=a.weight_decay)
-
-
-def lr_at(algorithm, step: int) -> float:
-    """The learning rate of optimizer step `step` (0-based): linear warmup over algorithm.warmup_steps from
-    lr/warmup_steps, then constant, or linear / cosine decay to lr * min_lr_ratio at the last update
-    (algorithm.steps x mini_batches x epochs optimizer steps in the run)."""
-    a = algorithm
-    if a.warmup_steps and step < a.warmup_steps:
-        return a.lr * (step + 1) / a.warmup_steps
-    if a.lr_schedule == "constant":
-        return a.lr
-    total = a.steps * a.mini_batches * a.epochs
-    span = max(total - a.warmup_steps - 1, 1)
-    progress = min(max(step - a.warmup_steps, 0) / span, 1.0)
-    floor = a.lr * a.min_lr_ratio
-    if a.lr_schedule == "linear":
-        return floor + (a.lr - floor) * (1.0 - progress)
-    if a.lr_schedule == "cosine":
-        return floor + (a.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    raise ValueError(f"algorithm.lr_schedule '{a.lr_schedule}' is not one of constant, linear, cosine")
-
-
 def trainer_device(cfg, world) -> torch.device:
     if cfg.trainer.gpus_per_task > 0 and torch.cuda.is_available():
         return torch.device("cuda", world.local_rank % torch.cuda.device_count())
@@ -338,8 +81,6 @@ def init_torch_distributed(world, backend: str) -> None:
     the group's MPI communicator; rank and size come from that communicator, so
     no launcher-specific environment (torchrun, SLURM_PROCID) is needed.
     """
-    import torch.distributed as dist
-
     if dist.is_initialized():
         return
     comm = world.group_comm
@@ -386,12 +127,15 @@ class Trainer(ABC):
         self.max_tokens = t.max_tokens_per_microbatch
         self.max_rows = t.micro_batch_size
         self.chunk_tokens = t.logprob_chunk_tokens
+        self.packing = t.packing
 
     def _prepare_model(self, model: torch.nn.Module) -> ScoringModel:
         """The module an engine wraps (gradient checkpointing switched on first when configured)."""
         if self.cfg.trainer.gradient_checkpointing:
             enable_gradient_checkpointing(model)
-        return ScoringModel(model, self.temperature, self.chunk_tokens)
+        if self.packing:
+            check_packable(model)
+        return ScoringModel(model, self.temperature, self.chunk_tokens, self.packing)
 
     # --- what the backend provides -----------------------------------------
     @abstractmethod
@@ -399,11 +143,8 @@ class Trainer(ABC):
 
     def _forward_scores(self, input_ids, attention_mask, positions=None):
         """(logp, entropy) [B, T]; backends whose engine wraps a ScoringModel do it in chunks."""
-        logp, ent = token_logprobs(self._forward_logits(input_ids, attention_mask), input_ids, self.temperature)
-        if positions is not None:
-            m = (positions != 0).to(logp.dtype)
-            logp, ent = logp * m, ent * m
-        return logp, ent
+        scores = token_logprobs(self._forward_logits(input_ids, attention_mask), input_ids, self.temperature)
+        return mask_positions(*scores, positions)
 
     def _backward_and_step(self, loss: torch.Tensor) -> float:
         """One micro-batch per step (backends without accumulation)."""
@@ -475,14 +216,14 @@ class Trainer(ABC):
         return {"name": a.lr_schedule, "step": self.steps_done, "lr": self.lr}
 
     def _split(self, attention_mask: torch.Tensor, collective: bool) -> list[np.ndarray]:
-        parts = split_micro_batches(attention_mask, self.max_tokens, self.max_rows)
+        parts = split_micro_batches(attention_mask, self.max_tokens, self.max_rows, packing=self.packing)
         if collective and self.world.group_size > 1 and (self.max_tokens or self.max_rows):
             # ZeRO-2/3 reduce gradients (and ZeRO-3 gathers parameters) in every backward / forward: every rank
             # must run the same number of micro-batches. The largest count wins; the others split further.
-            from mpi4py import MPI
+            from mpi4py import MPI  # in here: importing mpi4py.MPI initialises MPI (runtime/world.py does it first)
 
             n = self.world.group_comm.allreduce(len(parts), op=MPI.MAX)
-            parts = split_micro_batches(attention_mask, self.max_tokens, self.max_rows, min_parts=n)
+            parts = split_micro_batches(attention_mask, self.max_tokens, self.max_rows, n, self.packing)
         return parts
 
     @torch.no_grad()
@@ -498,7 +239,7 @@ class Trainer(ABC):
             res = fn(self._to_device(mb))
             res = res if isinstance(res, tuple) else (res,)
             if len(rows):
-                outs.append([_pad_time(r.cpu(), T) for r in res])
+                outs.append([pad_time(r.cpu(), T) for r in res])
         if not outs:
             return [torch.zeros(0, T), torch.zeros(0, T)]
         return [torch.cat(col) for col in zip(*outs)]
@@ -603,8 +344,6 @@ class Trainer(ABC):
         return self._forward_logits(b["input_ids"], b["attention_mask"])
 
     def close(self) -> None:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -618,8 +357,6 @@ _BACKENDS = {
 
 def make_trainer(cfg, model, world) -> Trainer:
     """The trainer for cfg.trainer.backend, wrapping `model` (an nn.Module on the CPU)."""
-    import importlib
-
     name = cfg.trainer.backend
     if name not in _BACKENDS:
         raise TrainerError(f"trainer.backend '{name}' is unknown; use one of {', '.join(_BACKENDS)}")
@@ -628,23 +365,30 @@ def make_trainer(cfg, model, world) -> Trainer:
     return cls(cfg, model, world)
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
-
-
 def cross_entropy_loss_fn(logp, ent, batch):
     """Supervised next-token loss over `loss_mask` positions (used to sanity-check backends)."""
     mask = batch["loss_mask"].to(logp.dtype)
     return -masked_mean(logp, mask), {"entropy": float(masked_mean(ent.detach(), mask))}
 
 
+# The pieces that live in micro_batches.py, optimizer.py and token_scores.py stay importable from here.
 __all__ = [
+    "LossFn",
+    "ScoringModel",
     "Trainer",
     "TrainerError",
-    "make_trainer",
-    "token_logprobs",
-    "model_logits",
-    "init_torch_distributed",
-    "masked_mean",
     "cross_entropy_loss_fn",
+    "enable_gradient_checkpointing",
+    "init_torch_distributed",
+    "lm_token_scores",
+    "lr_at",
+    "make_optimizer",
+    "make_trainer",
+    "micro_batch",
+    "micro_batch_weights",
+    "model_logits",
+    "score_tokens",
+    "split_micro_batches",
+    "token_logprobs",
+    "trainer_device",
 ]
