@@ -330,6 +330,38 @@ class CheckpointSection(_Section):
     keep_last: int = Field(3, ge=1)
 
 
+class TensorBoardSection(_Section):
+    dir: str | None = Field(None, description="Event file directory (default: RUN_DIR/tensorboard).")
+
+
+class WandbSection(_Section):
+    mode: Literal["online", "offline"] | None = Field(
+        None,
+        description="Default: $WANDB_MODE, else offline (compute nodes often have no network: `wandb sync` later).",
+    )
+    project: str | None = Field(None, description="Default: $WANDB_PROJECT, else rollout-hpc.")
+    entity: str | None = Field(None, description="Default: $WANDB_ENTITY, else your default entity.")
+    init_timeout_s: float = Field(60.0, gt=0, description="Give up on wandb.init after this long (one warning).")
+
+
+class MLflowSection(_Section):
+    tracking_uri: str | None = Field(
+        None, description="Default: $MLFLOW_TRACKING_URI, else file:RUN_DIR/mlruns (a file store)."
+    )
+    experiment: str | None = Field(None, description="Experiment name (default: run.name).")
+
+
+class LoggingSection(_Section):
+    """Experiment trackers fed with the metrics the run writes to HDF5 (docs/trackers.md)."""
+
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list, description="Any of tensorboard, wandb, mlflow (pip install 'rollout-hpc[trackers]')."
+    )
+    tensorboard: TensorBoardSection = Field(default_factory=TensorBoardSection)
+    wandb: WandbSection = Field(default_factory=WandbSection)
+    mlflow: MLflowSection = Field(default_factory=MLflowSection)
+
+
 class ContainerSection(_Section):
     image: str
     runtime: Literal["pyxis", "apptainer"] = "pyxis"
@@ -435,6 +467,7 @@ class Config(_Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     warmup: WarmupSection = Field(default_factory=WarmupSection)
     eval: EvalSection | None = Field(None, description="Validation during training (off when absent).")
+    logging: LoggingSection = Field(default_factory=LoggingSection)
     slurm: SlurmSection = Field(default_factory=SlurmSection)
     launcher: Literal["auto", "slurm", "local"] = "auto"
 

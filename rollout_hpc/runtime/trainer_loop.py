@@ -24,6 +24,7 @@ from rollout_hpc.runtime.critic import Critic, PolicyAndCritic
 from rollout_hpc.runtime.evaluation import EvalReceiver
 from rollout_hpc.runtime.metrics import MetricsSink, batch_metrics
 from rollout_hpc.runtime.step_plan import StepPlan, informative_groups
+from rollout_hpc.runtime.trackers import attach_trackers
 from rollout_hpc.trajectory import TrajectoryBatch
 
 
@@ -162,6 +163,8 @@ def run_trainer(
     start = ckpt.resume(checkpointed)  # 0 for a fresh run
     is_logger = world.group_rank == 0
     sink = MetricsSink(run_dir, cfg, steps_done=start, quiet=quiet) if is_logger else None
+    if sink is not None:  # logging.trackers (TensorBoard, W&B, MLflow) follow the log's rows
+        attach_trackers(sink.log, cfg, run_dir, start)
     receiver = StepReceiver(exchange, world, cfg)
     evals = EvalReceiver(eval_comm, source=0, quiet=quiet) if is_logger and eval_comm is not None else None
     sync = weights.publish(start, trainer.full_weights())  # generators start from exactly these weights

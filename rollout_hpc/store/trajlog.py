@@ -26,7 +26,7 @@ import fcntl
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +155,13 @@ class TrajectoryLog:
         self._pending_rows = 0
         self._step_stats: dict[int, list[np.ndarray]] = {}
         self.buffer_rows = 4096
+        # Called with ("metrics" | "eval", step, row) after each row, ("flush" | "close", -1, {}) after those:
+        # experiment trackers follow the log this way (runtime/trackers.py).
+        self.observers: list[Callable[[str, int, dict], None]] = []
+
+    def _tell(self, event: str, step: int = -1, row: dict | None = None) -> None:
+        for observer in self.observers:
+            observer(event, step, row or {})
 
     # --- opening -------------------------------------------------------------------
     @classmethod
@@ -290,6 +297,7 @@ class TrajectoryLog:
         row = {"step": step, "time": time.time(), **self._derived(step), **metrics}
         _append_row(self._metrics, self._columns, self._metric_rows, row)
         self._metric_rows += 1
+        self._tell("metrics", step, row)
         if flush:
             self.flush()
 
@@ -306,6 +314,7 @@ class TrajectoryLog:
         self._f.flush()
         self._eval_committed[0] = self._eval_rows
         self._f.flush()
+        self._tell("eval", step, row)
 
     def _derived(self, step: int) -> dict[str, float]:
         parts = self._step_stats.pop(step, None)
@@ -330,6 +339,7 @@ class TrajectoryLog:
         self._f.flush()
         self._progress[0:2] = (self._rows, self._metric_rows)
         self._f.flush()
+        self._tell("flush")
 
     @property
     def rows(self) -> int:
@@ -345,6 +355,7 @@ class TrajectoryLog:
             self._progress[2] = 1
             self._f.close()
             self._lock.release()
+            self._tell("close")
 
     def __enter__(self) -> TrajectoryLog:
         return self
