@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import shutil
 import socket
 import subprocess
 import sys
@@ -203,29 +204,44 @@ def test_reward_is_the_share_and_no_program_scores_zero():
 # ------------------------------------------------------------------------------------------- hostile programs
 
 
-def hostile_programs(listener_port: int, run_dir: Path) -> dict[str, str]:
+def hostile_programs(listener_port: int, run_dir: Path) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """name: (program, what the error may say: one of these)."""
+    rundir_file = str(run_dir / "config.resolved.yaml")
     return {
-        "infinite loop": "while True:\n    pass\n",
-        "sleeps forever": "import time\ntime.sleep(3600)\n",
-        "fork bomb": "import os\nwhile True:\n    os.fork()\n",
+        "infinite loop": ("while True:\n    pass\n", ("time limit",)),
+        "sleeps forever": ("import time\ntime.sleep(3600)\n", ("time limit",)),
+        "fork bomb": ("import os\nwhile True:\n    os.fork()\n", ("process limit", "left processes")),
         "quiet fork bomb": (
             "import os, time\nfor _ in range(200):\n    try:\n        os.fork()\n    except OSError:\n"
-            "        pass\ntime.sleep(3600)\n"
+            "        pass\ntime.sleep(3600)\n",
+            ("time limit",),
         ),
-        "daemon": "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(3600)\n" + ADD,
-        "huge allocation": "block = bytearray(1 << 40)\n",
-        "unbounded allocation": "blocks = []\nwhile True:\n    blocks.append(bytearray(1 << 24))\n",
-        "fills the disk": "with open('big', 'wb') as f:\n    while True:\n        f.write(b'x' * (1 << 20))\n",
-        "floods stdout": "while True:\n    print('x' * 100000)\n",
-        "writes outside": "open('/var/tmp/planted.txt', 'w').write('x')\n",
-        "connects to loopback": f"import socket\nsocket.create_connection(('127.0.0.1', {listener_port}), timeout=1)\n",
-        "connects outside": "import socket\nsocket.create_connection(('192.0.2.1', 80), timeout=1)\n",  # TEST-NET-1
-        "reads the run directory": f"print(open({str(run_dir / 'config.resolved.yaml')!r}).read())\n",
-        "lists the run directory": f"import os\nprint(os.listdir({str(run_dir)!r}))\n",
-        "sys.exit": "import sys\nsys.exit(0)\n" + ADD,
-        "os._exit": "import os\nos._exit(0)\n",
-        "kills its parent": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n",
-        "kills everything": "import os, signal\nos.kill(-1, signal.SIGKILL)\n",
+        "daemon": ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(3600)\n", ("left processes",)),
+        "huge allocation": ("block = bytearray(1 << 40)\n", ("out of memory",)),
+        "unbounded allocation": (
+            "blocks = []\nwhile True:\n    blocks.append(bytearray(1 << 24))\n",
+            ("out of memory", "time limit"),  # whichever comes first on a busy machine
+        ),
+        "fills the disk": (
+            "with open('big', 'wb') as f:\n    while True:\n        f.write(b'x' * (1 << 20))\n",
+            ("file-size limit", "disk space"),
+        ),
+        "floods stdout": ("while True:\n    print('x' * 100000)\n", ("file-size limit",)),
+        "writes outside": ("open('/var/tmp/planted.txt', 'w').write('x')\n", ("wrote outside",)),
+        "connects to loopback": (
+            f"import socket\nsocket.create_connection(('127.0.0.1', {listener_port}), timeout=1)\n",
+            ("used the network",),
+        ),
+        "connects outside": (  # TEST-NET-1: never routed
+            "import socket\nsocket.create_connection(('192.0.2.1', 80), timeout=1)\n",
+            ("used the network",),
+        ),
+        "reads the run directory": (f"print(open({rundir_file!r}).read())\n", ("may not read",)),
+        "lists the run directory": (f"import os\nprint(os.listdir({str(run_dir)!r}))\n", ("may not read",)),
+        "sys.exit": ("import sys\nsys.exit(0)\n", ("sys.exit",)),
+        "os._exit": ("import os\nos._exit(0)\n", ("ended its process",)),
+        "kills its parent": ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n", ("signal",)),
+        "kills everything": ("import os, signal\nos.kill(-1, signal.SIGKILL)\n", ("signal",)),
     }
 
 
@@ -233,10 +249,12 @@ def test_hostile_programs_cost_the_sample_not_the_machine(sandbox, listener, run
     uid = sandbox.uid
     tests = parse_tests(["assert add(1, 2) == 3", "assert add(2, 2) == 4"])
     before = sandbox_dirs()
-    for name, program in hostile_programs(listener.port, run_dir).items():
+    for name, (program, reasons) in hostile_programs(listener.port, run_dir).items():
         with pytest.raises(CodeSandboxError) as caught:
-            sandbox.run(program + ("" if "def add" in program else ADD), tests)
-        assert str(caught.value).startswith("test 1 of 2: the program "), (name, str(caught.value))
+            sandbox.run(program + ADD, tests)
+        message = str(caught.value)
+        assert message.startswith("test 1 of 2: the program "), (name, message)
+        assert any(reason in message for reason in reasons), (name, message)
         assert processes_of(uid) == [], name  # nothing of the sandbox uid survives its test
         assert children_of(os.getpid()) == [], name  # nor any process this one started
         assert sandbox_dirs() == before, name  # the throwaway directory is gone
@@ -271,7 +289,7 @@ def test_a_reward_pool_counts_hostile_samples_as_errors_and_goes_on(tmp_path, li
         "reward_timeout": 20,
         "params": {"train": str(tmp_path / "train.parquet"), "code_timeout_s": 1.5, "code_memory_mb": 256},
     }
-    texts = [fenced(ADD), "no code at all", *(fenced(p + ADD) for p in programs.values()), fenced(ADD)]
+    texts = [fenced(ADD), "no code at all", *(fenced(p + ADD) for p, _ in programs.values()), fenced(ADD)]
     with RewardPool("rollout_hpc.envs.scoring:task_scorer", (task_cfg, 0, None), n_workers=2, timeout_s=20) as pool:
         results = pool.score([(("train", 0), t) for t in texts])
         stats = pool.stats()
@@ -282,6 +300,63 @@ def test_a_reward_pool_counts_hostile_samples_as_errors_and_goes_on(tmp_path, li
     assert all(r.error and r.error.startswith("CodeSandboxError: test 1 of 2") for r in hostile)
     assert stats["errors"] == len(hostile) and stats["worker_deaths"] == 0 and stats["timeouts"] == 0
     assert processes_of(sandbox_uid()) == [] and listener.accepted == 0
+
+
+AS_A_USER = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from rollout_hpc.rewards.code_sandbox import CodeLimits, CodeSandboxError, LocalSandbox, parse_tests
+sandbox = LocalSandbox(CodeLimits(timeout_s=1.5, python="/usr/bin/python3"))
+tests = parse_tests(["assert add(1, 2) == 3", "assert add(2, 2) == 5"])
+add = "def add(a, b):\\n    return a + b\\n"
+out = {"isolation": sandbox.isolation, "good": sandbox.run(add, tests), "errors": {}}
+for name, program in json.loads(sys.argv[2]).items():
+    try:
+        out["errors"][name] = sandbox.run(program + add, tests)
+    except CodeSandboxError as exc:
+        out["errors"][name] = str(exc)
+print(json.dumps(out))
+"""
+
+
+def test_not_root_the_program_runs_as_the_user_in_a_user_namespace(listener, run_dir):
+    """The rank as an ordinary user (nobody here, via setpriv): a user namespace gives the same network and PID
+    isolation where the kernel allows one; the limits and the audit hook hold either way."""
+    setpriv, python = shutil.which("setpriv"), "/usr/bin/python3"
+    if os.geteuid() != 0 or not setpriv or not os.access(python, os.X_OK):
+        pytest.skip("needs root (to become another user), setpriv and /usr/bin/python3")
+    repo = str(Path(__file__).resolve().parents[1])
+    as_user = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", python, "-c"]
+    if subprocess.run(
+        [*as_user, "import sys; sys.path.insert(0, sys.argv[1]); import rollout_hpc.errors", repo]
+    ).returncode:
+        pytest.skip(f"{repo} is not readable by uid 65534")
+    picked = ("daemon", "fork bomb", "connects to loopback", "writes outside", "huge allocation", "kills its parent")
+    programs = {k: p for k, (p, _) in hostile_programs(listener.port, run_dir).items() if k in picked}
+    scratch = tempfile.mkdtemp(prefix="rollout-code-test-user-")
+    os.chmod(scratch, 0o777)
+    try:
+        done = subprocess.run(
+            [*as_user, AS_A_USER, repo, json.dumps(programs)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=scratch,
+            env={**os.environ, "TMPDIR": scratch},
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        out = json.loads(done.stdout.splitlines()[-1])
+        assert os.listdir(scratch) == []  # each sample's directory was removed
+    finally:
+        shutil.rmtree(scratch)
+    assert out["good"] == [True, False]
+    isolated = out["isolation"]["user_ns"]
+    for name, (_, reasons) in hostile_programs(listener.port, run_dir).items():
+        if name in picked and (isolated or name != "daemon"):  # without a PID namespace a setsid daemon escapes
+            assert any(r in out["errors"][name] for r in reasons), (name, out["errors"][name])
+    assert processes_of(65534) == [] and listener.accepted == 0
+    if not isolated:
+        assert "namespace" in done.stderr  # said once, in the rank's log
 
 
 # ---------------------------------------------------------------------------------------------------- config

@@ -3,8 +3,8 @@ script (`python -I -S code_runner.py`, the spec as JSON on stdin) outside the pa
 it is the test harness inside the sandbox. The reward side (parsing tests, comparing outputs) is code_sandbox.py.
 
 One file, three roles:
-- runner: enters new network, PID and mount namespaces where the kernel allows (as root; else it notes why not),
-  forks the sandbox's init and relays init's JSON lines (one per test) to stdout.
+- runner: enters new network, PID and mount namespaces (not as root: inside a new user namespace) where the kernel
+  allows, else notes why not; forks the sandbox's init and relays init's JSON lines (one per test) to stdout.
 - init (PID 1 of the new PID namespace): private tmpfs mounts over /tmp, /var/tmp and /dev/shm; per test, forks a
   child that takes the resource limits and (as root) an unprivileged uid, then execs the harness; after each test
   it kills whatever the test left running (in the PID namespace: every other process in it).
@@ -23,7 +23,7 @@ import signal
 import sys
 import time
 
-CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
 MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x4000, 0x40000
 PR_SET_PDEATHSIG = 1
 JOB_FD, RESULT_FD = 3, 4
@@ -62,16 +62,20 @@ def _mount(source: bytes | None, target: str, fstype: bytes | None, flags: int, 
 def runner_main() -> int:
     spec = json.load(sys.stdin)
     _die_with_parent()
-    iso = {"network": False, "pid": False, "mount": False, "uid": None, "why": ""}
+    root = os.geteuid() == 0
+    # As root the test drops to spec's uid; otherwise it stays the rank's user, whose every process counts
+    # against RLIMIT_NPROC (counted now: inside a user namespace /proc and the ids read differently).
+    iso = {"network": False, "pid": False, "mount": False, "user_ns": False, "why": ""}
+    iso["uid"] = spec["uid"] if root else os.geteuid()
+    spec["drop_to"] = (spec["uid"], spec["gid"]) if root else None
+    if not root:
+        spec["max_procs"] = _processes_of(os.geteuid()) + int(spec["max_procs"])
     if spec.get("namespaces", True):
-        if os.geteuid() != 0:
-            iso["why"] = "not root: new namespaces need root here (the program runs as this user)"
+        why = _enter_namespaces(root)
+        if why is None:
+            iso.update(network=True, pid=True, mount=True, user_ns=not root)
         else:
-            why = _call("unshare", CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET)
-            if why is None:
-                iso.update(network=True, pid=True, mount=True)
-            else:
-                iso["why"] = why
+            iso["why"] = why
     else:
         iso["why"] = "namespaces switched off"
     read_end, write_end = os.pipe()
@@ -96,6 +100,25 @@ def runner_main() -> int:
     return 0
 
 
+def _enter_namespaces(root: bool) -> str | None:
+    """New mount, PID (for the next child) and network namespaces; not as root, inside a new user namespace where
+    this user is root (unprivileged user namespaces: where the kernel allows them). None, or why not."""
+    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET
+    if root:
+        return _call("unshare", flags)
+    uid, gid = os.geteuid(), os.getegid()
+    why = _call("unshare", CLONE_NEWUSER | flags)
+    if why:
+        return f"not root, and no user namespace ({why})"
+    try:
+        for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+    except OSError as exc:
+        return f"user namespace id maps: {exc}"
+    return None
+
+
 def _emit(fd: int, record: dict) -> None:
     data = (json.dumps(record) + "\n").encode()
     while data:
@@ -114,8 +137,7 @@ def init_main(spec: dict, out: int, iso: dict) -> None:
             workdir = WORKDIR_IN_NS
         else:
             iso["mount"], iso["why"] = False, why
-    uid, gid = (spec["uid"], spec["gid"]) if os.geteuid() == 0 else (None, None)
-    iso["uid"] = os.geteuid() if uid is None else uid
+    uid, gid = spec["drop_to"] or (None, None)
     os.makedirs(workdir, mode=0o700, exist_ok=True)
     if uid is not None and gid is not None:
         os.chown(workdir, uid, gid)
@@ -132,6 +154,16 @@ def init_main(spec: dict, out: int, iso: dict) -> None:
         _emit(out, result)
         if result["outcome"] != "ran":
             break  # a violation or a sandbox failure: the sample is an error, the other tests cannot change that
+
+
+def _processes_of(uid: int) -> int:
+    count = 0
+    for entry in os.listdir("/proc"):
+        try:
+            count += entry.isdigit() and os.stat(f"/proc/{entry}").st_uid == uid
+        except OSError:
+            pass
+    return count
 
 
 def _private_tmpfs(spec: dict, iso: dict) -> str | None:
@@ -364,9 +396,7 @@ class _Report:
 
 
 def _audit_hook(report: _Report, workdir: str):
-    import socket
-
-    net = (socket.AF_INET, socket.AF_INET6)
+    net = (2, 10)  # AF_INET, AF_INET6 (importing socket would cost every test a few ms)
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
     parent = os.getppid()
 
