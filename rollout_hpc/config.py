@@ -314,6 +314,21 @@ class TrainerSection(GroupSection):
     gradient_checkpointing: bool = Field(
         False, description="Recompute each layer's activations in backward (HF models)."
     )
+    packing: bool = Field(
+        False,
+        description="Padding-free packing: each micro-batch's sequences end to end in one row with their own "
+        "position ids (no attention across them); max_tokens_per_microbatch then counts real tokens "
+        "(Llama, Mistral, Qwen2, Qwen3; torch and deepspeed backends).",
+    )
+
+    @model_validator(mode="after")
+    def _packing_has_a_backend(self) -> TrainerSection:
+        if self.packing and self.backend == "megatron":
+            raise ValueError(
+                "trainer.packing is not supported by trainer.backend 'megatron'; use torch or deepspeed, "
+                "or set trainer.packing: false"
+            )
+        return self
 
 
 class ExchangeSection(_Section):
