@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,7 +30,7 @@ from tiny_hf import make_tiny_qwen
 
 from rollout_hpc.envs.registry import load_task
 from rollout_hpc.errors import RewardSpecError, UserError
-from rollout_hpc.rewards import REWARD_ERROR, REWARD_OK, RewardPool, builtin_reward
+from rollout_hpc.rewards import REWARD_ERROR, REWARD_OK, REWARD_TIMEOUT, RewardPool, builtin_reward
 from rollout_hpc.rewards.code_sandbox import (
     CodeLimits,
     CodeSandboxError,
@@ -166,6 +167,7 @@ def test_test_case_formats():
     assert [(t["kind"], t["input"], t["expected"]) for t in stdio] == [("stdio", "2\n", "4\n"), ("stdio", "3\n", "6\n")]
     assert parse_tests(json.dumps(json.dumps(io))) == stdio  # doubly encoded, as some parquet files hold it
     assert parse_tests([{"input": "2\n", "output": "4\n"}])[0]["expected"] == "4\n"
+    assert parse_tests(str(mbpp)) == parse_tests(mbpp)  # str() of a Python list, as some datasets store it
     call = parse_tests({"inputs": [[1, 2], "3\n4"], "outputs": [[3], 7], "fn_name": "add"})
     assert [(t["kind"], t["fn"], t["args"], t["expected"]) for t in call] == [
         ("call", "add", [1, 2], [3]),
@@ -188,6 +190,8 @@ def test_share_of_tests_passed_in_every_format(sandbox):
     stop_early = "import sys\nprint(int(input()) * 2)\nsys.exit(0)\nprint('never')\n"  # normal in stdin/stdout
     assert sandbox.run(stop_early, parse_tests(io)) == [True, False, False]
     assert sandbox.run("def add(a, b)\n    return 1\n", parse_tests(call)) == [False] * 3  # a syntax error fails
+    demo = ADD + "if __name__ == '__main__':\n    print(add(int(input()), 1))\n"  # not run under assert tests
+    assert sandbox.run(demo, parse_tests(["assert add(1, 2) == 3"])) == [True]
     # Files inside its own directory, subprocesses that end, and reading the standard library are all fine.
     tidy = "import subprocess, json\nopen('scratch.txt', 'w').write('x')\nsubprocess.run(['true'])\n" + ADD
     assert sandbox.run(tidy, parse_tests(["assert add(1, 1) == 2"])) == [True]
@@ -300,6 +304,27 @@ def test_a_reward_pool_counts_hostile_samples_as_errors_and_goes_on(tmp_path, li
     assert all(r.error and r.error.startswith("CodeSandboxError: test 1 of 2") for r in hostile)
     assert stats["errors"] == len(hostile) and stats["worker_deaths"] == 0 and stats["timeouts"] == 0
     assert processes_of(sandbox_uid()) == [] and listener.accepted == 0
+
+
+def test_a_reward_worker_killed_mid_sample_takes_its_sandbox_with_it(tmp_path):
+    """The pool's per-sample timeout SIGKILLs the worker while its program runs: the runner, the sandbox's init and
+    the program (asleep: no CPU limit would end it) die with it (parent-death signals, then the PID namespace), and
+    the next worker removes the dead worker's directory."""
+    rows = [{"prompt": "loop", "answer": "assert True"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    task_cfg = {"name": "dataset", "reward": "code", "params": {"train": str(tmp_path / "train.parquet")}}
+    before = sandbox_dirs()
+    with RewardPool("rollout_hpc.envs.scoring:task_scorer", (task_cfg, 0, None), n_workers=1, timeout_s=2) as pool:
+        pool.warmup()
+        (killed,) = pool.score([(("train", 0), fenced("import os, time\nos.fork()\ntime.sleep(3600)\n"))])
+        assert killed.status == REWARD_TIMEOUT and pool.stats()["timeouts"] == 1
+        deadline = time.monotonic() + 10
+        while processes_of(sandbox_uid()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert processes_of(sandbox_uid()) == []
+        (after,) = pool.score([(("train", 0), fenced("x = 1\n"))])  # a new worker, which cleans up
+        assert (after.value, after.status) == (1.0, REWARD_OK)
+    assert sandbox_dirs() == before
 
 
 AS_A_USER = """

@@ -446,9 +446,12 @@ def _audit_hook(report: _Report, workdir: str):
 
 
 def _run_program(report: _Report, source: str, kind: str) -> tuple[dict | None, str | None]:
-    """Runs the program as __main__: (its globals, None) or (None, why the test failed). A violation ends the
+    """Runs the program: (its globals, None) or (None, why the test failed). A violation ends the
     harness (reported)."""
-    scope: dict = {"__name__": "__main__", "__builtins__": __builtins__}
+    # A stdin/stdout program is the main program; under assert and call tests it is a module, so its
+    # `if __name__ == "__main__":` demo (often reading input()) does not run.
+    name = "__main__" if kind == "stdio" else "solution"
+    scope: dict = {"__name__": name, "__builtins__": __builtins__}
     try:
         exec(compile(source, "program.py", "exec"), scope)
     except SystemExit as exc:

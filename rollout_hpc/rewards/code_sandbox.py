@@ -158,18 +158,28 @@ def _io_tests(spec: Mapping) -> list[dict]:
     return [{"kind": "stdio", "input": _stdin_text(i), "expected": _stdin_text(o)} for i, o in zip(inputs, outputs)]
 
 
+def _decode(text: str) -> Any:
+    """A JSON string, or a Python literal (some datasets store str(list)); None when it is neither."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return None
+
+
 def parse_tests(answer: Any) -> list[dict]:
     """The row's test cases as a list of {"kind": "assert", "code"} / {"kind": "stdio", "input", "expected"} /
     {"kind": "call", "fn", "args", "expected"}. Reads assert code (a string or a list of strings), {"inputs",
     "outputs"[, "fn_name"]} mappings, {"test_list": [...]} (MBPP rows), {"test", "entry_point"} (HumanEval rows),
-    a list of {"input", "output"} pairs, and any of these as a JSON string. CodeTestsError when none fits."""
+    a list of {"input", "output"} pairs, and any of these as a JSON string (or a Python literal's text).
+    CodeTestsError when none fits."""
     if isinstance(answer, str):
         text = answer.strip()
         if text[:1] in '[{"':
-            try:
-                decoded = json.loads(text)
-            except ValueError:
-                decoded = None
+            decoded = _decode(text)
             if decoded is not None and decoded != answer:
                 return parse_tests(decoded)
         tests = _assert_tests(answer) if text else []
@@ -258,6 +268,23 @@ def _warn_once(text: str) -> None:
         print(f"rollout-hpc: code reward: {text}", file=sys.stderr, flush=True)
 
 
+_DIR_PREFIX = "rollout-code-"  # + the reward process's pid: a directory whose owner died is stale
+
+
+def _remove_stale_dirs() -> None:
+    """The working directories of reward processes that were killed mid-sample (the pool's timeout SIGKILLs them)."""
+    for path in Path(tempfile.gettempdir()).glob(f"{_DIR_PREFIX}*-*"):
+        pid = path.name[len(_DIR_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
+
+
 def _sandbox_ids() -> tuple[int, int]:
     try:
         entry = pwd.getpwnam("nobody")
@@ -274,6 +301,7 @@ class LocalSandbox:
         self.uid, self.gid = _sandbox_ids()
         self.harness = RUNNER.read_text(encoding="utf-8")
         self.isolation: dict = {}
+        _remove_stale_dirs()
         self.python = self._pick_python()
 
     def _pick_python(self) -> str:
@@ -299,7 +327,7 @@ class LocalSandbox:
 
     def _run(self, program: str, tests: list[dict], python: str) -> list[dict]:
         lim = self.limits
-        workdir = tempfile.mkdtemp(prefix="rollout-code-")
+        workdir = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-")
         spec = {
             "program": program,
             "tests": tests,
