@@ -15,6 +15,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def tiny_config(model_cfg, vocab_size: int, pad_id: int = 0, bos_id: int = 1, eos_id: int = 2):
+    # transformers' model classes take seconds to import: loaded in here, so that `import rollout_hpc.models`
+    # (the CLI's `samples` decoding with the built-in tokenizer) stays light.
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -38,7 +40,7 @@ def build_model(model_cfg, vocab_size: int, seed: int = 0) -> torch.nn.Module:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     dtype = DTYPES[model_cfg.dtype]
     if model_cfg.path is None:
-        from transformers import LlamaForCausalLM
+        from transformers import LlamaForCausalLM  # in here: see tiny_config
 
         config = tiny_config(model_cfg, vocab_size)
         # Own RNG stream: the same seed gives the same weights whatever ran before.
@@ -64,7 +66,7 @@ def to_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def _load_pretrained(path: Path, dtype: torch.dtype, vocab_size: int) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # in here: see tiny_config
 
     if not path.is_dir():
         raise ModelLoadError(

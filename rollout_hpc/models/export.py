@@ -31,8 +31,26 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+import rollout_hpc
+from rollout_hpc.config import ModelSection
 from rollout_hpc.errors import UserError
+from rollout_hpc.models.build import tiny_config
+from rollout_hpc.models.tokenizer import CharTokenizer, save_pretrained_tokenizer
+from rollout_hpc.store.checkpoint import (
+    CheckpointCorrupt,
+    checkpoint_dir,
+    list_checkpoints,
+    load_checkpoint,
+    weights_digest,
+)
+from rollout_hpc.store.h5tree import weights_from
 
 EXPORT_INFO = "rollout_hpc_export.json"
 EXPORT_FORMAT = "rollout-hpc-export"
@@ -91,9 +109,6 @@ def _masters(state: dict) -> dict[str, Any]:
 
 def _read(info) -> PolicyCheckpoint:
     """The policy of one checkpoint; CheckpointCorrupt if it (or any of its shards) does not verify."""
-    from rollout_hpc.store.checkpoint import load_checkpoint, weights_digest
-    from rollout_hpc.store.h5tree import weights_from
-
     if not info.sharded:
         path, state, meta = load_checkpoint(info)
         weights = weights_from(state)
@@ -122,8 +137,6 @@ def _read(info) -> PolicyCheckpoint:
 
 def read_policy(run_dir: str | Path, step: int | None = None) -> PolicyCheckpoint:
     """The newest checkpoint that verifies (damaged newer ones are named in `.damaged`), or exactly `step`."""
-    from rollout_hpc.store.checkpoint import CheckpointCorrupt, checkpoint_dir, list_checkpoints
-
     run_dir = Path(run_dir)
     infos = list_checkpoints(run_dir)
     if not infos:
@@ -166,8 +179,6 @@ def read_policy(run_dir: str | Path, step: int | None = None) -> PolicyCheckpoin
 
 
 def _newest_valid(infos) -> int | None:
-    from rollout_hpc.store.checkpoint import CheckpointCorrupt
-
     for info in reversed(infos):
         try:
             _read(info)
@@ -182,10 +193,6 @@ def _newest_valid(infos) -> int | None:
 
 def run_model_section(run_dir: Path, meta: dict):
     """cfg.model of the checkpoint (its stored config), else of RUN_DIR/config.resolved.yaml."""
-    import yaml
-
-    from rollout_hpc.config import ModelSection
-
     config = meta.get("config")
     if not isinstance(config, dict):
         resolved = run_dir / "config.resolved.yaml"
@@ -199,12 +206,7 @@ def run_model_section(run_dir: Path, meta: dict):
 
 def hf_config(model_cfg, dtype: str):
     """The transformers config of the run's model, with `dtype` and `architectures` set."""
-    from transformers import AutoConfig
-
     if model_cfg.path is None:
-        from rollout_hpc.models.build import tiny_config
-        from rollout_hpc.models.tokenizer import CharTokenizer
-
         tok = CharTokenizer()
         config = tiny_config(model_cfg, tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_id)
         config.architectures = ["LlamaForCausalLM"]
@@ -223,9 +225,6 @@ def hf_config(model_cfg, dtype: str):
 def expected_tensors(config) -> tuple[str, dict[str, tuple[tuple[int, ...], bool]]]:
     """(model class name, {name: (shape, is_float)}) of the tensors a checkpoint of this config holds, tied copies
     left out (lm_head.weight when tie_word_embeddings), in the model's own order. Built on the meta device."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
@@ -255,9 +254,6 @@ def parse_size(text: str | int) -> int:
 
 
 def _progress(enabled: bool):
-    from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -287,9 +283,6 @@ def write_weights(
     progress: bool,
 ) -> tuple[list[str], int]:
     """Safetensors files of `names` from `weights` (floating tensors cast to `dtype`); returns (files, total bytes)."""
-    import torch
-    from safetensors.torch import save_file
-
     torch_dtype = getattr(torch, dtype)
     itemsize = torch.empty(0, dtype=torch_dtype).element_size()
     sizes = {
@@ -334,11 +327,7 @@ def write_weights(
 
 def write_tokenizer_and_generation_config(directory: Path, model_cfg, config) -> list[str]:
     """Tokenizer files and generation_config.json; returns the names written."""
-    from transformers import GenerationConfig
-
     if model_cfg.path is None:
-        from rollout_hpc.models.tokenizer import CharTokenizer, save_pretrained_tokenizer
-
         tok = CharTokenizer()
         files = save_pretrained_tokenizer(tok.to_pretrained_tokenizer(model_cfg.max_seq_len), directory)
         GenerationConfig(bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id).save_pretrained(
@@ -374,8 +363,6 @@ def export_model(
 
     dtype: bfloat16 | float16 | float32 (default: the run's model.dtype). force: replace an existing OUT.
     warn(line): called once per damaged newer checkpoint passed over (default: print to stderr)."""
-    import rollout_hpc
-
     run_dir, out = Path(os.path.abspath(run_dir)), Path(os.path.abspath(out))
     if not run_dir.is_dir():
         raise ExportError(f"run directory {run_dir} does not exist")

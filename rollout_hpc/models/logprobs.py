@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout_hpc.algos import entropy_from_logits
+
 
 def left_pad(seqs: list[list[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Token lists -> (ids [B, L], attention_mask [B, L]) padded on the left."""
@@ -73,7 +75,5 @@ def response_logprobs(
     logp = logp_all.gather(-1, r_ids.unsqueeze(-1)).squeeze(-1) * r_mask
     entropy = None
     if with_entropy:
-        from rollout_hpc.algos import entropy_from_logits
-
         entropy = entropy_from_logits(scores) * r_mask
     return ResponseScores(logp, r_mask, entropy)

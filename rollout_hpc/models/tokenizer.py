@@ -11,14 +11,18 @@ ends a response: EOS and generation_config.json's eos_token_id list).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import string
 from pathlib import Path
 from typing import Protocol
 
+import tokenizers
 import yaml
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from rollout_hpc.config import ModelSection
 from rollout_hpc.errors import ModelLoadError
 
 
@@ -53,7 +57,6 @@ CHAR_CHAT_TEMPLATE = (
 
 def render_template(template: str, messages, **variables) -> str:
     """Render a Hugging Face style chat template (jinja2, sandboxed, trim_blocks/lstrip_blocks as transformers does)."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
         raise ValueError(f"the chat template refused the messages: {message}")
@@ -123,7 +126,7 @@ class CharTokenizer:
         """The same tokenizer as a transformers `PreTrainedTokenizerFast` (same ids, chat template, BOS added to
         single sequences as encode_prompt does; "<s>" in text is the BOS token, as in rendered chat templates).
         Save it with `save_pretrained_tokenizer` so that AutoTokenizer loads this class back."""
-        from transformers import PreTrainedTokenizerFast
+        from transformers import PreTrainedTokenizerFast  # in here: transformers takes seconds to import
 
         extra = {} if model_max_length is None else {"model_max_length": int(model_max_length)}
         return PreTrainedTokenizerFast(
@@ -142,18 +145,20 @@ def char_tokenizer_backend():
     """The built-in vocabulary as a `tokenizers.Tokenizer`: <pad>=0 <s>=1 </s>=2 (special tokens), then one token
     per character of CharTokenizer.CHARS; no normalizer, every character its own word (any whitespace kept),
     a decoder that concatenates, and a post-processor that puts <s> before a single sequence."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-
     vocab = {text: i for i, text in enumerate(CharTokenizer.SPECIAL_TEXT)}
     vocab.update({c: i + len(vocab) for i, c in enumerate(CharTokenizer.CHARS)})
-    tok = Tokenizer(models.WordLevel(vocab))  # no unk token: a character outside the vocabulary is an error
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+    tok = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel(vocab)
+    )  # no unk token: a character outside the vocabulary is an error
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = tokenizers.decoders.Fuse()
     bos = CharTokenizer.SPECIAL_TEXT[CharTokenizer.BOS]
-    tok.post_processor = processors.TemplateProcessing(
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
         single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, CharTokenizer.BOS)]
     )
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CharTokenizer.SPECIAL_TEXT])
+    tok.add_special_tokens(
+        [tokenizers.AddedToken(t, special=True, normalized=False) for t in CharTokenizer.SPECIAL_TEXT]
+    )
     return tok
 
 
@@ -162,8 +167,6 @@ def save_pretrained_tokenizer(tokenizer, directory: str | Path) -> list[str]:
     it, transformers 5's AutoTokenizer builds the tokenizer class of the model type in config.json (a Llama
     directory gets LlamaTokenizer, whose own pre-tokenizer drops spaces) and silently replaces our pipeline.
     Returns the names of the files written."""
-    import json
-
     directory = Path(directory)
     files = [Path(f).name for f in tokenizer.save_pretrained(directory)]
     config_file = directory / "tokenizer_config.json"
@@ -178,7 +181,7 @@ class HFTokenizer:
 
     def __init__(self, path: str) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # in here: seconds to import; the built-in tokenizer needs none
 
         try:
             self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -230,8 +233,6 @@ class HFTokenizer:
 
 def generation_stop_ids(path: str | Path) -> list[int]:
     """eos_token_id of a model directory's generation_config.json (an int or a list; [] when absent)."""
-    import json
-
     file = Path(path) / "generation_config.json"
     if not file.is_file():
         return []
@@ -253,8 +254,6 @@ def load_tokenizer(model_cfg) -> Tokenizer:
 
 def load_tokenizer_for_run(run_dir: str | Path) -> Tokenizer:
     """The tokenizer a finished or running run used, from RUN_DIR/config.resolved.yaml."""
-    from rollout_hpc.config import ModelSection
-
     path = Path(run_dir) / "config.resolved.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: is {run_dir} a run directory (made by `rollout-hpc submit`)?")
