@@ -96,11 +96,36 @@ def assert_grads_close(a, b, rtol=2e-4, atol=1e-6):
 ALGOS = ["grpo", "ppo", "dapo", "rloo", "reinforce_pp"]
 
 
+def step_gradients(world, cfg, reference=None):
+    """One train step of the policy (and of PPO's critic) on rl_batch(cfg), optimizer steps off:
+    (policy gradients, stats, critic gradients or None, the critic's values or None, reference log-probs).
+    reference(model, tensors) -> the KL reference's log-probs (default: fixed random ones)."""
+    from rollout_hpc.runtime.critic import Critic
+
+    model = model_for(cfg)
+    trainer = T.make_trainer(cfg, copy.deepcopy(model), world)
+    tensors = rl_batch(cfg)
+    critic = Critic(cfg, model, world) if cfg.algorithm.name == "ppo" else None
+    values = critic.values(tensors["input_ids"], tensors["attention_mask"]) if critic else None
+    if reference is None:
+        ref = -torch.rand(tensors["mask"].shape, generator=torch.Generator().manual_seed(5)) * tensors["mask"]
+    else:
+        ref = reference(model, tensors)
+    batching.add_advantages(cfg, tensors, ref, values)
+    if critic:  # a critic that is not all zeros, so its gradients are informative
+        tensors["returns"] = (
+            tensors["returns"]
+            + torch.randn(tensors["returns"].shape, generator=torch.Generator().manual_seed(7)) * tensors["mask"]
+        )
+    agg = cfg.algorithm.loss_agg
+    g, stats = grads_after(trainer, lambda: trainer.train_step(tensors, batching.make_loss_fn(cfg), agg=agg))
+    cg = grads_after(critic.trainer, lambda: critic.train_step(tensors))[0] if critic else None
+    return g, stats, cg, values, ref
+
+
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean"])
 @pytest.mark.parametrize("name", ALGOS)
 def test_micro_batches_give_unsplit_gradients(world, name, agg):
-    from rollout_hpc.runtime.critic import Critic
-
     base = [
         f"algorithm.name={name}",
         f"algorithm.loss_agg={agg}",
@@ -113,22 +138,7 @@ def test_micro_batches_give_unsplit_gradients(world, name, agg):
         "tokens": ["trainer.max_tokens_per_microbatch=40"],
         "rows": ["trainer.micro_batch_size=3"],
     }.items():
-        cfg = make_cfg(*base, *extra)
-        model = model_for(cfg)
-        trainer = T.make_trainer(cfg, copy.deepcopy(model), world)
-        tensors = rl_batch(cfg)
-        critic = Critic(cfg, model, world) if name == "ppo" else None
-        values = critic.values(tensors["input_ids"], tensors["attention_mask"]) if critic else None
-        ref = -torch.rand(tensors["mask"].shape, generator=torch.Generator().manual_seed(5)) * tensors["mask"]
-        batching.add_advantages(cfg, tensors, ref, values)
-        if critic:  # a critic that is not all zeros, so its gradients are informative
-            tensors["returns"] = (
-                tensors["returns"]
-                + torch.randn(tensors["returns"].shape, generator=torch.Generator().manual_seed(7)) * tensors["mask"]
-            )
-        g, stats = grads_after(trainer, lambda: trainer.train_step(tensors, batching.make_loss_fn(cfg), agg=agg))
-        cg = grads_after(critic.trainer, lambda: critic.train_step(tensors))[0] if critic else None
-        results[label] = (g, stats, cg)
+        results[label] = step_gradients(world, make_cfg(*base, *extra))[:3]
     g0, s0, c0 = results["whole"]
     assert s0["micro_batches"] == 1
     for label in ("tokens", "rows"):

@@ -6,8 +6,13 @@ with a large vocabulary so that the logits matter), one GRPO train step per meas
 
   ours      trainer.max_tokens_per_microbatch = the x1 batch's tokens, logprob_chunk_tokens 256:
             micro-batches with gradient accumulation, log-probs from hidden states in chunks
+  packed    ours + trainer.packing: each micro-batch is one row of up to that many real tokens, the
+            sequences end to end with their own position ids (no padding computed)
   unsplit   the old path: one forward over the whole share, full-vocabulary fp32 logits
             (max_tokens_per_microbatch None, logprob_chunk_tokens None)
+
+Rows have random lengths (a quarter of `seq` to `seq` tokens, the first quarter of each the prompt), so the padded
+paths compute padding that the packed one skips.
 
 Each (path, scale) runs in a fresh subprocess: peak RSS (ru_maxrss) is per process. Reported: the peak RSS
 of the process, the part of it the train steps added (peak - RSS after building model and optimizer), and
@@ -57,8 +62,9 @@ def child(args) -> None:
         "algorithm.group_size=4",
         "algorithm.lr=1e-4",
     ]
-    if args.path == "ours":
+    if args.path in ("ours", "packed"):
         over += [f"trainer.max_tokens_per_microbatch={args.rows * args.seq}", "trainer.logprob_chunk_tokens=256"]
+        over += [f"trainer.packing={args.path == 'packed'}"]
     else:
         over += ["trainer.logprob_chunk_tokens=null"]
     cfg = load_config(None, over)
@@ -66,11 +72,13 @@ def child(args) -> None:
     trainer = make_trainer(cfg, build_model(cfg.model, args.vocab, seed=0), world)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, args.vocab, (rows, args.seq), generator=g)
-    mask = torch.zeros(rows, args.seq)
-    mask[:, args.seq // 4 :] = 1  # a quarter prompt, the rest response
+    lengths = torch.randint(args.seq // 4, args.seq + 1, (rows,), generator=g)
+    attn = (torch.arange(args.seq)[None, :] < lengths[:, None]).long()  # right-padded rows
+    mask = attn.float()
+    mask[:, : args.seq // 4] = 0  # a quarter prompt, the rest response
     tensors = {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
+        "input_ids": ids * attn,
+        "attention_mask": attn,
         "mask": mask,
         "old_logprobs": -torch.rand(rows, args.seq, generator=g) * mask,
         "rewards": torch.randint(0, 2, (rows,), generator=g).float(),
@@ -82,7 +90,7 @@ def child(args) -> None:
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
-        trainer.train_step(tensors, loss_fn, agg=cfg.algorithm.loss_agg)
+        stats = trainer.train_step(tensors, loss_fn, agg=cfg.algorithm.loss_agg)
         times.append(time.perf_counter() - t0)
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     timed = times[1:] or times
@@ -92,7 +100,8 @@ def child(args) -> None:
                 "peak_rss_mb": peak_kb / 1024,
                 "step_extra_mb": (peak_kb - base_kb) / 1024,
                 "samples_per_s": rows / (sum(timed) / len(timed)),
-                "tokens": rows * args.seq,
+                "tokens": int(attn.sum()),
+                "micro_batches": int(stats["micro_batches"]),
             }
         )
     )
@@ -125,15 +134,16 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    results: dict[str, dict[int, dict]] = {"ours": {}, "unsplit": {}}
+    results: dict[str, dict[int, dict]] = {"ours": {}, "packed": {}, "unsplit": {}}
     print(
         f"per-rank batch x1 = {args.rows} rows x {args.seq} tokens, vocab {args.vocab}, hidden {args.hidden}, "
-        f"{args.steps} step(s) per measurement; ours: max_tokens_per_microbatch {args.rows * args.seq}, "
+        f"{args.steps} step(s) per measurement; ours and packed: max_tokens_per_microbatch {args.rows * args.seq}, "
         "logprob_chunk_tokens 256",
         flush=True,
     )
     print(
-        f"{'path':8} {'scale':>5} {'tokens':>7} {'peak RSS MB':>12} {'step extra MB':>14} {'samples/s':>10}", flush=True
+        f"{'path':8} {'scale':>5} {'tokens':>7} {'micro':>5} {'peak RSS MB':>12} {'step extra MB':>14} {'samples/s':>10}",
+        flush=True,
     )
     for path in results:
         for scale in SCALES:
@@ -164,7 +174,8 @@ def main() -> None:
             r = json.loads(out.stdout.strip().splitlines()[-1])
             results[path][scale] = r
             print(
-                f"{path:8} {f'x{scale}':>5} {r['tokens']:>7} {r['peak_rss_mb']:>12.0f} {r['step_extra_mb']:>14.0f} "
+                f"{path:8} {f'x{scale}':>5} {r['tokens']:>7} {r['micro_batches']:>5} {r['peak_rss_mb']:>12.0f} "
+                f"{r['step_extra_mb']:>14.0f} "
                 f"{r['samples_per_s']:>10.1f}",
                 flush=True,
             )
@@ -175,6 +186,7 @@ def main() -> None:
             "step_mem_growth_x16": by[16]["step_extra_mb"] / max(by[1]["step_extra_mb"], 1.0),
             "peak_rss_mb": {f"x{s}": round(r["peak_rss_mb"], 1) for s, r in by.items()},
             "samples_per_s": {f"x{s}": round(r["samples_per_s"], 2) for s, r in by.items()},
+            "micro_batches": {f"x{s}": r["micro_batches"] for s, r in by.items()},
         }
     summary["peak_mem_growth_x16"] = {p: round(summary[p]["peak_mem_growth_x16"], 3) for p in results}
     print(json.dumps(summary))
