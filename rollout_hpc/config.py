@@ -12,7 +12,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -151,6 +151,74 @@ class TaskSection(_Section):
     reward_workers: int = Field(2, ge=1, description="Reward worker processes per generator rank.")
     params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the task.")
 
+    def sources(self) -> list[dict] | None:
+        """The sources of a mixed dataset (task.name 'dataset' with task.params.train a list), else None."""
+        train = self.params.get("train")
+        return train if self.name == "dataset" and isinstance(train, list) else None
+
+
+_SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,31}")
+
+
+class ValSource(_Section):
+    """One held-out source of a mixed dataset (task.params.val as a list): its name matches a training source."""
+
+    name: str = Field(description="The source's name: in metrics, the log and file names (letters, digits, _ . -).")
+    path: str = Field(description="Its file or directory (any format task.params.train takes).")
+    prompt_key: str | None = Field(None, description="Default: task.params.prompt_key.")
+    answer_key: str | None = Field(None, description="Default: task.params.answer_key.")
+    system_prompt: str | None = Field(None, description="Default: task.params.system_prompt.")
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_filename_safe(cls, v: str) -> str:
+        if not _SOURCE_NAME.fullmatch(v):
+            raise ValueError(
+                f"source name {v!r}: use 1-32 letters, digits, '_', '.' or '-', starting with a letter or digit"
+            )
+        return v
+
+
+class TrainSource(ValSource):
+    """One training source of a mixed dataset (task.params.train as a list)."""
+
+    weight: float = Field(1.0, gt=0, description="Share of every step's prompts (a quota: floor(w / sum w x P)).")
+    reward: str | None = Field(None, description="This source's reward (default: task.reward).")
+    quota: int | None = Field(
+        None, description="Derived: prompts of each step from this source (written into the resolved config)."
+    )
+
+
+def mixture_quotas(weights: list[float], prompts_per_step: int) -> list[int]:
+    """Per-step prompts of each source: floor(w_k / sum(w) x P), the remainder to the last source."""
+    total = sum(weights)
+    # + 1e-9: decimal weights (0.1, 0.2, 0.7) are not exact in binary; their quotas must not round down a whole prompt
+    quotas = [int(w * prompts_per_step / total + 1e-9) for w in weights[:-1]]
+    return quotas + [prompts_per_step - sum(quotas)]
+
+
+_S = TypeVar("_S", bound=ValSource)
+
+
+def _source_list(value: Any, where: str, model: type[_S]) -> list[_S]:
+    """task.params.train / val as a list of source mappings, each validated (errors name the entry)."""
+    out = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise ValueError(f"{where}[{i}] must be a mapping {{name, path, ...}}, got {type(item).__name__}")
+        try:
+            out.append(model.model_validate(item))
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or 'entry'}: {e['msg'].removeprefix('Value error, ')}"
+                for e in exc.errors()
+            )
+            raise ValueError(f"{where}[{i}] ({item.get('name', '?')}): {problems}") from None
+    names = [s.name for s in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{where}: source names must be unique, got {names}")
+    return out
+
 
 class WarmupSection(_Section):
     """Supervised warm-up before RL: teacher-forced training on the task's (prompt, answer) pairs, in the same run."""
@@ -209,6 +277,11 @@ class AlgorithmSection(_Section):
         3,
         ge=1,
         description="Dynamic sampling: at most this many generation rounds per step (1 = drop without refilling).",
+    )
+    normalize_by_domain: bool = Field(
+        True,
+        description="Mixed datasets: where an estimator normalises across the batch (reinforce_pp, ppo), do it "
+        "within each source's rows instead (group-normalised advantages are per group anyway).",
     )
     overlong_buffer: int = Field(0, ge=0, description="DAPO overlong shaping: penalty ramps over the last N tokens.")
     overlong_penalty: float = Field(1.0, ge=0)
@@ -539,6 +612,43 @@ class Config(_Section):
                 f"slurm.time ({self.slurm.time} = {self.slurm.time_seconds}s) must be longer than "
                 f"slurm.signal_lead_seconds ({self.slurm.signal_lead_seconds}s), or the warning would come before the job starts"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _mixture_quotas(self) -> Config:
+        """A mixed dataset: check its sources and write each one's per-step quota into it (the data layout of every
+        step follows from the quotas: envs.datafile.QuotaLayout)."""
+        train = self.task.sources()
+        if train is None:
+            return self
+        if not train:
+            raise ValueError(
+                "task.params.train is an empty list; give one path, or a list of sources {name, path, weight}"
+            )
+        sources = _source_list(train, "task.params.train", TrainSource)
+        val = self.task.params.get("val")
+        if isinstance(val, list):
+            known = {s.name for s in sources}
+            for v in _source_list(val, "task.params.val", ValSource):
+                if v.name not in known:
+                    raise ValueError(
+                        f"task.params.val source '{v.name}' is not a training source ({', '.join(sorted(known))}); "
+                        "name each held-out file after the training source it belongs to"
+                    )
+        P = self.algorithm.prompts_per_step
+        quotas = mixture_quotas([s.weight for s in sources], P)
+        for s, q in zip(sources, quotas):
+            if q < 1:
+                raise ValueError(
+                    f"task.params.train source '{s.name}' gets 0 of the {P} prompts of a step (weight {s.weight:g} of "
+                    f"{sum(x.weight for x in sources):g}); raise its weight or algorithm.prompts_per_step"
+                )
+            if s.quota is not None and s.quota != q:
+                raise ValueError(
+                    f"task.params.train source '{s.name}': quota {s.quota} disagrees with its weight, which gives {q} "
+                    f"of algorithm.prompts_per_step {P}; remove quota (it is derived)"
+                )
+        self.task.params["train"] = [{**s.model_dump(exclude_none=True), "quota": q} for s, q in zip(sources, quotas)]
         return self
 
     # --- derived facts used by the launchers and the runtime -----------------

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 
 MAGIC = b"RHTB"
-LAYOUT_VERSION = 2  # 2: the header is padded to 64 bytes so every section starts 8-byte aligned
+# 2: the header is padded to 64 bytes so every section starts 8-byte aligned. `domain` took a byte of `_pad` without a
+# new version: the record size is the same and a record from an older writer reads as domain 0, which is right for it.
+LAYOUT_VERSION = 2
 
 FIXED_DTYPE = np.dtype(
     [
@@ -40,7 +42,8 @@ FIXED_DTYPE = np.dtype(
         ("n_turns", "<u4"),
         ("truncated", "u1"),  # response hit max_new_tokens
         ("reward_status", "u1"),  # REWARD_OK, or why the reward is a stand-in 0 (REWARD_ERROR, REWARD_TIMEOUT)
-        ("_pad", "u1", (6,)),
+        ("domain", "u1"),  # source of a mixed dataset (index into the log's `domains` attribute); 0 otherwise
+        ("_pad", "u1", (5,)),
         ("t_start", "<f8"),  # wall clock (time.time()) when generation began
         ("t_end", "<f8"),  # when the reward was computed
     ]

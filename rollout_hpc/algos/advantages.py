@@ -99,8 +99,18 @@ def gae(
     return adv, returns
 
 
-def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """(x - mean) / (std + eps) over all valid tokens of the batch; zero off the mask."""
+def whiten(
+    values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6, domains: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(x - mean) / (std + eps) over all valid tokens of the batch; zero off the mask. With `domains` ([B], the source
+    of each row of a mixed dataset) each source's rows are whitened on their own statistics: a domain whose
+    rewards run larger does not set the scale of the others."""
+    if domains is not None:
+        out = torch.zeros_like(values)
+        for d in torch.unique(domains):
+            rows = domains.to(values.device) == d
+            out[rows] = whiten(values[rows], mask[rows], eps)
+        return out
     m = mask.to(values.dtype)
     n = m.sum().clamp(min=1.0)
     mean = (values * m).sum() / n

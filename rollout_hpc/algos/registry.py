@@ -26,6 +26,7 @@ ADVANTAGE_PARAMS = {
     "ref_logprobs",
     "kl_coef",
     "kl_estimator",
+    "domains",
 }
 
 
@@ -43,7 +44,8 @@ def compute_advantages(name: str, rewards: torch.Tensor, group_size: int, mask: 
 
     Params (all optional unless noted): eps=1e-6, scale_by_std=True (grpo/dapo);
     gamma=1.0 (ppo, reinforce_pp); lam=0.95, values [B,T] (ppo, required), normalize=True (ppo);
-    logprobs, ref_logprobs [B,T], kl_coef=0.0, kl_estimator="k3" (KL in the reward: ppo, rloo, reinforce_pp).
+    logprobs, ref_logprobs [B,T], kl_coef=0.0, kl_estimator="k3" (KL in the reward: ppo, rloo, reinforce_pp);
+    domains [B] (a mixed dataset's source per row): batch-level whitening (reinforce_pp, ppo) per source.
     """
     spec = get_algorithm(name)
     unknown = set(params) - ADVANTAGE_PARAMS
@@ -78,12 +80,13 @@ def _leave_one_out(rewards, group_size, mask, params, kl, eps, gamma):
 
 
 def _reinforce_pp(rewards, group_size, mask, params, kl, eps, gamma):
-    return A.whiten(A.discounted_returns(A.token_kl_rewards(rewards, mask, **kl), mask, gamma), mask, eps)
+    returns = A.discounted_returns(A.token_kl_rewards(rewards, mask, **kl), mask, gamma)
+    return A.whiten(returns, mask, eps, params.get("domains"))
 
 
 def _gae(rewards, group_size, mask, params, kl, eps, gamma):
     adv, _ = _ppo_gae(rewards, mask, params, kl)
-    return A.whiten(adv, mask, eps) if params.get("normalize", True) else adv
+    return A.whiten(adv, mask, eps, params.get("domains")) if params.get("normalize", True) else adv
 
 
 ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {

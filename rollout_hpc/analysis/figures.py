@@ -220,6 +220,29 @@ def eval_figure(a: RunAnalysis, fig, ax) -> None:
         ax.legend(loc="best")
 
 
+@_figure(
+    "Reward per source (mixed dataset)",
+    shows=lambda a: bool(a.domains),
+    missing="mixture of sources",
+    ylabel="mean reward / held-out accuracy",
+)
+def domains_figure(a: RunAnalysis, fig, ax) -> None:
+    """Each source's mean reward per step (solid) and its held-out accuracy per eval (dashed, where there is one)."""
+    for i, (name, d) in enumerate(a.domains.items()):
+        ax.plot(d["step"], d["reward"], color=f"C{i}", label=f"{name} reward")
+        if "accuracy" in d:
+            ax.plot(
+                d["eval_step"],
+                d["accuracy"],
+                color=f"C{i}",
+                linestyle="--",
+                marker="o",
+                markersize=3,
+                label=f"{name} eval accuracy",
+            )
+    ax.legend(loc="best")
+
+
 FIGURES: dict[str, Callable[[RunAnalysis], plt.Figure]] = {
     "reward": reward_figure,
     "response_length": length_figure,
@@ -228,6 +251,7 @@ FIGURES: dict[str, Callable[[RunAnalysis], plt.Figure]] = {
     "staleness": staleness_figure,
     "time_breakdown": time_figure,
     "eval": eval_figure,
+    "domains": domains_figure,
 }
 
 

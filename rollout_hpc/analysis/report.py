@@ -33,6 +33,10 @@ _TEMPLATE = jinja2.Environment(autoescape=True).from_string("""<!DOCTYPE html>
 {% if eval_rows %}<h2>Validation during training</h2>
 <table><tr>{% for name in eval_names %}<th>{{ name }}</th>{% endfor %}</tr>
 {% for row in eval_rows %}<tr>{% for v in row %}<td class="num">{{ v }}</td>{% endfor %}</tr>{% endfor %}</table>
+{% endif %}{% if domain_rows %}<h2>Sources (mixed dataset)</h2>
+<table><tr><th>source</th><th>samples</th><th>reward, first step</th><th>reward, last step</th><th>mean reward</th>
+<th>last eval accuracy</th></tr>
+{% for row in domain_rows %}<tr>{% for v in row %}<td class="num">{{ v }}</td>{% endfor %}</tr>{% endfor %}</table>
 {% endif %}<h2>Figures</h2>
 {% for name, data in figures %}<figure><img alt="{{ name }}" src="data:image/png;base64,{{ data }}"></figure>{% endfor %}
 <h2>Sample trajectories (step {{ sample_step }})</h2>
@@ -50,7 +54,7 @@ def _fmt(value) -> str:
 def _flatten(summary: dict, prefix: str = "") -> list[tuple[str, str]]:
     rows = []
     for key, value in summary.items():
-        if key in ("warnings", "log", "eval"):  # the eval table has its own section
+        if key in ("warnings", "log", "eval", "domains"):  # the eval and source tables have their own sections
             continue
         if isinstance(value, dict) and key != "histogram":
             rows += _flatten(value, f"{prefix}{key}.")
@@ -67,6 +71,25 @@ def _eval_table(evals: dict) -> tuple[list[str], list[list[str]]]:
         for i in range(len(evals.get("step", ())))
     ]
     return names, rows
+
+
+def _domain_rows(domains: dict) -> list[list[str]]:
+    """One row per source of a mixed dataset: samples, reward at the first and last step, mean, last eval accuracy."""
+    rows = []
+    for name, d in domains.items():
+        samples, reward = np.asarray(d["samples"], np.float64), np.asarray(d["reward"], np.float64)
+        accuracy = d.get("accuracy")
+        rows.append(
+            [
+                name,
+                _fmt(int(samples.sum())),
+                _fmt(float(reward[0])) if len(reward) else "n/a",
+                _fmt(float(reward[-1])) if len(reward) else "n/a",
+                _fmt(float((reward * samples).sum() / samples.sum())) if samples.sum() else "n/a",
+                _fmt(float(accuracy[-1])) if accuracy is not None and len(accuracy) else "n/a",
+            ]
+        )
+    return rows
 
 
 def write_report(run_dir_or_log: str | Path, out: str | Path | None = None, samples_per_kind: int = 3) -> Path:
@@ -91,6 +114,7 @@ def write_report(run_dir_or_log: str | Path, out: str | Path | None = None, samp
             figures=figures,
             samples=sections,
             sample_step=step,
+            domain_rows=_domain_rows(analysis.domains),
             **dict(zip(("eval_names", "eval_rows"), _eval_table(analysis.eval))),
         )
     )

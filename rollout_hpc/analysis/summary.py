@@ -32,6 +32,7 @@ _COLUMNS = [
     "t_start",
     "t_end",
     "reward_status",
+    "domain",
 ]
 # Metric names some writers use for the standard columns of the metrics table.
 METRIC_ALIASES = {
@@ -54,6 +55,7 @@ class RunAnalysis:
     staleness_hist: np.ndarray  # count of trajectories per staleness
     warnings: list[str] = field(default_factory=list)
     eval: dict[str, np.ndarray] = field(default_factory=dict)  # eval table, one entry per eval ({} if none)
+    domains: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # a mixture's per-source series
 
 
 class _StepAccumulator:
@@ -198,6 +200,8 @@ def analyze_run(run_dir_or_log: str | Path, chunk_rows: int = CHUNK_ROWS) -> Run
     with TrajectoryReader(run_dir_or_log) as reader:
         meta = read_meta(reader)
         acc, totals = _StepAccumulator(), _Totals()
+        names = list(meta.get("domains") or [])
+        by_domain = [_StepAccumulator() for _ in names] if len(names) > 1 else []
         with _progress(reader.rows, f"reading {reader.path.name}") as bar:
             task = bar.add_task("rows", total=reader.rows)
             for chunk in reader.iter_chunks(chunk_rows, _COLUMNS):
@@ -212,6 +216,9 @@ def analyze_run(run_dir_or_log: str | Path, chunk_rows: int = CHUNK_ROWS) -> Run
                     staleness=chunk["staleness"],
                 )
                 totals.add(chunk, reward, resp)
+                for k, domain_acc in enumerate(by_domain):
+                    mine = chunk["domain"] == k
+                    domain_acc.add(steps[mine], reward=reward[mine])
                 bar.advance(task, len(steps))
         log_state = {
             "log": reader.status_line(),
@@ -220,7 +227,36 @@ def analyze_run(run_dir_or_log: str | Path, chunk_rows: int = CHUNK_ROWS) -> Run
         }
         table = reader.metrics()
         evals = reader.eval_metrics()
-    return _assemble(meta, acc, totals, table, log_state, evals)
+    analysis = _assemble(meta, acc, totals, table, log_state, evals)
+    analysis.domains = _domain_series(names, by_domain, evals)
+    analysis.summary["domains"] = {
+        name: {
+            key: [int(v) if key in ("step", "eval_step", "samples") else float(v) for v in values]
+            for key, values in d.items()
+        }
+        for name, d in analysis.domains.items()
+    }
+    return analysis
+
+
+def _domain_series(names: list[str], accs: list[_StepAccumulator], evals: dict) -> dict[str, dict[str, np.ndarray]]:
+    """Per source of a mixed dataset: the steps it has samples in, its samples and mean reward there, and its
+    held-out accuracy per eval where the eval has one ({} for a run of one source)."""
+    out = {}
+    for name, acc in zip(names, accs):
+        has = acc.count > 0
+        count = acc.count[has]
+        series = {
+            "step": np.flatnonzero(has).astype(np.float64),
+            "samples": count,
+            "reward": acc.sums["reward"][has] / count if "reward" in acc.sums else np.zeros(0),
+        }
+        accuracy = evals.get(f"accuracy/{name}")
+        if accuracy is not None and not np.isnan(accuracy).all():
+            ok = ~np.isnan(accuracy)
+            series["eval_step"], series["accuracy"] = evals["step"][ok], accuracy[ok]
+        out[name] = series
+    return out
 
 
 def _eval_lists(evals: dict[str, np.ndarray]) -> dict | None:

@@ -26,6 +26,7 @@ class Prompt:
     answer: Any = None
     meta: dict = field(default_factory=dict)
     messages: tuple | None = None
+    domain: str | None = None  # the source it came from, in a mixed dataset (task.params.train as a list)
 
 
 def prompt_text(item: Any) -> str:

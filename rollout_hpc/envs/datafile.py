@@ -16,6 +16,7 @@ import json
 import os
 import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ _FORMATS_HELP = (
     "datasets' save_to_disk, or a directory of *.parquet / *.jsonl shards"
 )
 _SPLIT_TAG = (1 << 32) + 0x5B1  # seeds split_rows' generator apart from the per-epoch shuffles [seed, epoch]
+_SOURCE_TAG = (1 << 32) + 0x50C  # seeds a mixture source's epoch shuffles [seed, tag, source, epoch]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -619,8 +621,10 @@ class EpochShuffled:
     seeded by (seed, epoch) — a new shuffle every epoch, the same for the same seed. shuffle=False keeps file
     order. Only the current epoch's permutation is kept. No __len__: the stream is infinite."""
 
-    def __init__(self, rows: PromptRows, seed: int, shuffle: bool = True) -> None:
+    def __init__(self, rows: PromptRows, seed: int, shuffle: bool = True, source: int | None = None) -> None:
         self.rows, self.seed, self.shuffle = rows, _seed(seed), bool(shuffle)
+        # A source of a mixture shuffles apart from the others (same size would mean the same order otherwise).
+        self._key = [self.seed] if source is None else [self.seed, _SOURCE_TAG, int(source)]
         self.n = len(rows)
         if self.n == 0:
             raise DatasetError("the prompt dataset has no rows (after the train/validation split); give it more rows")
@@ -640,7 +644,7 @@ class EpochShuffled:
             return cache[1]
         # = default_rng([seed, epoch]).permutation(n) (same draws), in int32 when it fits: half the memory
         perm = np.arange(self.n, dtype=np.int32 if self.n < 2**31 else np.int64)
-        np.random.default_rng([self.seed, int(epoch)]).shuffle(perm)
+        np.random.default_rng([*self._key, int(epoch)]).shuffle(perm)
         self._cache = (epoch, perm)  # one epoch at a time (replaces the previous one atomically)
         return perm
 
@@ -654,3 +658,77 @@ class EpochShuffled:
         p = self.rows[self.position(i)]
         p.meta["epoch"] = epoch
         return p
+
+
+class QuotaLayout:
+    """Where each source of a mixture sits in the run's one prompt stream. Every block of P = sum(quotas) prompts
+    holds quotas[k] prompts of source k, in source order: global index i = b*P + j (j < P) is source k with
+    starts[k] <= j < starts[k+1], at position b*quotas[k] + j - starts[k] of that source's own stream. Pure
+    arithmetic both ways, so a step's prompts name each source's cursor (nothing else to checkpoint), and every
+    source advances by exactly its quota per block."""
+
+    def __init__(self, quotas: Sequence[int]) -> None:
+        self.quotas = np.asarray(quotas, np.int64)
+        if not len(self.quotas) or (self.quotas < 1).any():
+            raise ValueError(f"QuotaLayout: every quota must be >= 1, got {list(quotas)}")
+        self.block = int(self.quotas.sum())
+        self.starts = np.concatenate([[0], np.cumsum(self.quotas)])
+
+    def split(self, i) -> tuple[np.ndarray, np.ndarray]:
+        """(source, position in the source's stream) of global index/indices i."""
+        b, j = np.divmod(np.asarray(i, np.int64), self.block)
+        k = np.searchsorted(self.starts, j, side="right") - 1
+        return k, b * self.quotas[k] + j - self.starts[k]
+
+    def domain_of(self, i) -> np.ndarray:
+        return self.split(i)[0]
+
+    def index(self, source: int, position) -> np.ndarray:
+        """Global index/indices of source `source`'s stream position(s) (the inverse of split)."""
+        b, r = np.divmod(np.asarray(position, np.int64), self.quotas[source])
+        return b * self.block + self.starts[source] + r
+
+
+class MixedStream:
+    """Infinite prompt stream over several sources: item i is item `position` of source k's EpochShuffled stream
+    (QuotaLayout.split), its Prompt carrying the source's name as `domain`."""
+
+    def __init__(self, streams: Sequence[EpochShuffled], names: Sequence[str], quotas: Sequence[int]) -> None:
+        self.streams, self.names, self.layout = list(streams), list(names), QuotaLayout(quotas)
+
+    def domain_of(self, i) -> np.ndarray:
+        return self.layout.domain_of(i)
+
+    def cursor(self, i: int) -> tuple[int, int]:
+        """(source, position in that source's stream) of global index i."""
+        k, pos = self.layout.split(int(i))
+        return int(k), int(pos)
+
+    def __getitem__(self, i: int) -> Prompt:
+        if int(i) < 0:
+            raise IndexError(f"prompt index {i} is negative")
+        k, pos = self.cursor(i)
+        return replace(self.streams[k][pos], domain=self.names[k])
+
+
+class MixedRows:
+    """The held-out rows of several sources as one finite sequence, interleaved in proportion to their sizes (row p
+    of source k sorts at (p + 0.5) / n_k), so eval.max_prompts' first N rows sample every source."""
+
+    def __init__(self, rows: Sequence[PromptRows], names: Sequence[str]) -> None:
+        self.rows, self.names = list(rows), list(names)
+        source = np.concatenate([np.full(len(r), k, np.int64) for k, r in enumerate(self.rows)])
+        pos = np.concatenate([np.arange(len(r), dtype=np.int64) for r in self.rows])
+        sizes = np.array([len(r) for r in self.rows], np.float64)
+        order = np.lexsort((source, (pos + 0.5) / sizes[source]))
+        self._source, self._pos = source[order], pos[order]
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def domain_of(self, i) -> np.ndarray:
+        return self._source[np.asarray(i, np.int64)]
+
+    def __getitem__(self, i: int) -> Prompt:
+        k = int(self._source[i])
+        return replace(self.rows[k][int(self._pos[i])], domain=self.names[k])

@@ -72,6 +72,9 @@ def load_task(task_cfg, data_dir=None) -> Any:
             "nor a plugin; name a plugin as 'package.module:attr' or 'path/to/file.py:attr'"
         )
     spec = task_cfg.reward
+    domains = getattr(task, "domain_rewards", None)  # a mixed dataset: one reward per source
+    if domains:
+        return _mixed_reward_task(task, task_cfg, domains)
     if not spec:
         if name in NEEDS_REWARD:
             raise TaskError(
@@ -84,18 +87,52 @@ def load_task(task_cfg, data_dir=None) -> Any:
             f"task.reward overrides the reward of single-turn tasks; '{name}' is multi-turn "
             "(its environment's step() gives the rewards)"
         )
-    who = f"task.reward '{spec}'"
+    raw, who = _reward_fn(spec, task_cfg, "task.reward")
+    return CheckedRewardTask(task, checked_reward_fn(raw, who), raw, who)
+
+
+def _reward_fn(spec: str, task_cfg, field: str):
+    """(unchecked reward fn(prompt_item, text), its name for messages) of a reward spec: built-in or plugin."""
+    who = f"{field} '{spec}'"
     if is_builtin_reward(spec):
         fn = builtin_reward(spec, task_cfg.format_reward, task_cfg.format_pattern, task_cfg.params)
-        raw = answer_reward(fn)
-        return CheckedRewardTask(task, checked_reward_fn(raw, who), raw, who)
+        return answer_reward(fn), who
     if not is_plugin_spec(spec):
         raise TaskError(
             f"{who} is neither a built-in reward (math, exact, regex:PATTERN) nor a plugin "
             "('package.module:fn' or 'path/to/file.py:fn')"
         )
-    raw = load_plugin(spec, "task.reward")
-    return CheckedRewardTask(task, checked_reward_fn(raw, who), raw, who)
+    return load_plugin(spec, field), who
+
+
+class DomainReward:
+    """A mixed dataset's reward: the reward of the prompt's source (Prompt.domain; None: the task.reward-scored
+    single held-out file)."""
+
+    def __init__(self, by_domain: dict) -> None:
+        self.by_domain = by_domain
+
+    def __call__(self, prompt_item, response_text: str):
+        return self.by_domain[getattr(prompt_item, "domain", None)](prompt_item, response_text)
+
+
+def _mixed_reward_task(task: Any, task_cfg, specs: dict) -> CheckedRewardTask:
+    raw, checked, names = {}, {}, []
+    for domain, own in specs.items():
+        spec = own or task_cfg.reward
+        if not spec:
+            raise TaskError(
+                f"task.params.train source '{domain}' has no reward: give it reward: (math, exact, regex:PATTERN or a "
+                "plugin) or set task.reward, the default of every source"
+                if domain is not None
+                else "task.params.val is one file for a mixture of sources, so it is scored with task.reward; set "
+                "task.reward, or give val as a list of sources {name, path} named after the training sources"
+            )
+        field = f"task.params.train[{domain}].reward" if own else "task.reward"
+        raw[domain], who = _reward_fn(spec, task_cfg, field)
+        checked[domain] = checked_reward_fn(raw[domain], who)
+        names.append(f"{domain or 'val'}: {spec}")
+    return CheckedRewardTask(task, DomainReward(checked), DomainReward(raw), f"the rewards ({', '.join(names)})")
 
 
 def check_task(cfg) -> Any:

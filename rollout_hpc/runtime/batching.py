@@ -40,16 +40,17 @@ def check_staleness(batch: TrajectoryBatch, step: int, max_staleness: int) -> in
     return worst
 
 
-def check_complete(batch: TrajectoryBatch, step: int, prompts: range, group_size: int) -> None:
+def check_complete(batch: TrajectoryBatch, step: int, prompts, group_size: int) -> None:
     """Exactly the step's prompts (step_plan.StepPlan.prompts), each with its whole group, each record once."""
-    want = np.arange(prompts.start * group_size, prompts.stop * group_size, dtype=np.uint64)
+    ids = np.asarray(prompts, np.uint64)
+    want = (ids[:, None] * np.uint64(group_size) + np.arange(group_size, dtype=np.uint64)[None, :]).reshape(-1)
     got = np.sort(batch.uids(group_size))
     if len(got) != len(want) or not np.array_equal(got, want):
         missing = np.setdiff1d(want, got)[:5]
         extra = np.setdiff1d(got, want)[:5]
         raise StalenessError(
             f"step {step}: the trainer received {len(got)} records, expected the {len(want)} records of prompts "
-            f"[{prompts.start}, {prompts.stop}) (missing uids {missing.tolist()}, unexpected {extra.tolist()})"
+            f"{step_plan.describe(prompts)} (missing uids {missing.tolist()}, unexpected {extra.tolist()})"
         )
 
 
@@ -80,6 +81,7 @@ def collate(batch: TrajectoryBatch, pad_id: int = 0) -> dict[str, torch.Tensor]:
         "old_logprobs": torch.from_numpy(old_lp),
         "rewards": torch.from_numpy(f["reward"].astype(np.float32)),
         "response_len": torch.from_numpy(rlen.astype(np.float32)),
+        "domain": torch.from_numpy(f["domain"].astype(np.int64)),
     }
 
 
@@ -102,6 +104,8 @@ def add_advantages(
     params.update(gamma=a.gamma, lam=a.lam)  # estimators take what they use (algos.compute_advantages)
     if spec.needs_critic:
         params.update(values=values)
+    if a.normalize_by_domain and len(step_plan.domain_quotas(cfg)) > 1:
+        params.update(domains=tensors["domain"])  # batch-level normalisation within each source
     tensors["advantages"] = algos.compute_advantages(a.name, rewards, a.group_size, tensors["mask"], **params)
     if spec.needs_critic:
         tensors["old_values"] = values

@@ -125,8 +125,23 @@ class Evaluator:
         m = eval_metrics(
             group_ids, group_rewards, group_statuses, group_lengths, threshold=self.cfg.eval.pass_threshold, k=self.k
         )
+        m.update(self._per_domain(group_ids, group_rewards))
         m.update(step=float(point), policy_version=float(min(g[4] for g in gathered)), eval_time=time.time() - t0)
         self.eval_comm.send(m, dest=self.logger_rank, tag=EVAL_TAG)
+
+    def _per_domain(self, prompt_ids: list[int], rewards: list[float]) -> dict[str, float]:
+        """A mixture's held-out sources: `accuracy/<name>` and `samples/<name>` each (nothing for one source)."""
+        names = getattr(self.rows, "names", None)
+        if not names or len(names) < 2:
+            return {}
+        domain = self.rows.domain_of(np.asarray(prompt_ids, np.int64))
+        passed = np.asarray(rewards, np.float64) >= self.cfg.eval.pass_threshold
+        out = {}
+        for k, name in enumerate(names):
+            mine = passed[domain == k]
+            out[f"accuracy/{name}"] = float(mine.mean()) if len(mine) else float("nan")
+            out[f"samples/{name}"] = float(len(mine))
+        return out
 
 
 def eval_line(m: dict[str, float]) -> str:
@@ -135,6 +150,9 @@ def eval_line(m: dict[str, float]) -> str:
         f"reward {m['mean_reward']:.3f}  len {m['response_len_mean']:.1f}  ({int(m['prompts'])} prompts x {int(m['k'])}, "
         f"{m['eval_time']:.1f}s)"
     )
+    per_domain = [f"{k.partition('/')[2]} {v:.3f}" for k, v in m.items() if k.startswith("accuracy/")]
+    if per_domain:
+        line += f"  by source: {' '.join(per_domain)}"
     return line + (f"  reward errors {int(m['reward_errors'])}" if m.get("reward_errors") else "")
 
 

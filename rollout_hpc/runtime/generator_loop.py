@@ -22,7 +22,7 @@ from pathlib import Path
 
 from rollout_hpc.exchange.weights import SyncClosed
 from rollout_hpc.runtime.evaluation import EvalSchedule, Evaluator
-from rollout_hpc.runtime.step_plan import StepPlan, informative_groups, rank_share
+from rollout_hpc.runtime.step_plan import Informative, StepPlan, informative_groups, rank_share
 from rollout_hpc.runtime.world import abort_world
 
 
@@ -127,6 +127,9 @@ def generate_unscored(gen, dataset, prompt_indices, group_size: int, gen_rank: i
         t_start=t_start,
         t_end=t_start,
     )
+    domain_of = getattr(dataset, "domain_of", None)  # a mixed dataset: each record names its source
+    if domain_of is not None:
+        batch.fixed["domain"] = domain_of(batch.fixed["prompt_id"])
     return batch, [("train", i) for i, _ in rows], [gen.tokenizer.decode(ids) for ids in out.response_ids]
 
 
@@ -136,7 +139,7 @@ def generate_with_refills(world, cfg, plan, gen, dataset, exchange, workers, ver
     G = cfg.algorithm.group_size
     while True:
         ids = rank_share(plan.round, world.group_rank, world.group_size)
-        informative = 0
+        informative: Informative = 0  # summed over the group: an int, or per source for a mixed dataset
         if len(ids):
             if workers is None:  # multi-turn: episodes score themselves
                 batch = gen.rollout(dataset, ids, G, world.rank, version)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rollout_hpc.runtime.step_plan import domain_names
 from rollout_hpc.store.trajlog import TrajectoryLog, log_path
 from rollout_hpc.store.trajlog import read_metrics as read_log_metrics
 from rollout_hpc.trajectory import TrajectoryBatch
@@ -60,6 +61,17 @@ def batch_metrics(batch: TrajectoryBatch, step: int) -> dict[str, float]:
     }
 
 
+def domain_metrics(batch: TrajectoryBatch, names: list[str]) -> dict[str, float]:
+    """A mixed dataset's step per source: `samples/<name>` and `reward_mean/<name>` (records carry `domain`)."""
+    out: dict[str, float] = {}
+    domain, rewards = batch.fixed["domain"], batch.fixed["reward"].astype(np.float64)
+    for k, name in enumerate(names):
+        mine = rewards[domain == k]
+        out[f"samples/{name}"] = float(len(mine))
+        out[f"reward_mean/{name}"] = float(mine.mean()) if len(mine) else float("nan")
+    return out
+
+
 def progress_line(step: int, steps: int, m: dict[str, float]) -> str:
     parts = [f"step {step + 1}/{steps}"]
     for key, label, fmt in _LINE:
@@ -67,6 +79,9 @@ def progress_line(step: int, steps: int, m: dict[str, float]) -> str:
             value = fmt.format(m[key])
             if label == "±":
                 parts[-1] += f" ±{value}"  # "reward 0.42 ±0.31"
+                per_domain = [f"{k.partition('/')[2]} {v:.3f}" for k, v in m.items() if k.startswith("reward_mean/")]
+                if per_domain:  # "reward 0.42 ±0.31 (math 0.50 code 0.17)"
+                    parts[-1] += f" ({' '.join(per_domain)})"
             else:
                 parts.append(f"{label} {value}")
     return "  ".join(parts)
@@ -87,12 +102,16 @@ class MetricsSink:
             "max_staleness": cfg.exchange.max_staleness,
             "algorithm": cfg.algorithm.name,
             "config_digest": cfg.digest(),
+            "domains": domain_names(cfg),  # a mixed dataset's sources: record field `domain` indexes this list
         }
+        self.domains = meta["domains"] if len(meta["domains"]) > 1 else []
         # Steps logged after the checkpoint we start from were lost with the old allocation and
         # are redone: drop them (step indices are 0-based, so the last kept one is steps_done - 1).
         self.log = TrajectoryLog.open_for_append(Path(run_dir), meta, resume_step=steps_done - 1)
 
     def write(self, step: int, steps: int, batch: TrajectoryBatch, metrics: dict[str, float]) -> None:
+        if self.domains:
+            metrics = {**metrics, **domain_metrics(batch, self.domains)}
         self.log.append(batch, step)
         # Durable every FLUSH_EVERY steps (and at close), not every step: an HDF5 flush costs
         # milliseconds on the trainer's critical path, and steps lost in a crash are redone from

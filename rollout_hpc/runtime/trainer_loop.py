@@ -19,7 +19,7 @@ import torch
 
 from rollout_hpc import algos
 from rollout_hpc.backends.trainer import make_trainer, score_tokens
-from rollout_hpc.runtime import batching, checkpointing, sft
+from rollout_hpc.runtime import batching, checkpointing, sft, step_plan
 from rollout_hpc.runtime.critic import Critic, PolicyAndCritic
 from rollout_hpc.runtime.evaluation import EvalReceiver
 from rollout_hpc.runtime.metrics import MetricsSink, batch_metrics
@@ -49,11 +49,10 @@ class StepReceiver:
         self.poll_s = poll_s
         self.pool = TrajectoryBatch.empty()
 
-    def _in(self, prompts: range) -> np.ndarray:
-        pid = self.pool.fixed["prompt_id"]
-        return (pid >= prompts.start) & (pid < prompts.stop)
+    def _in(self, prompts) -> np.ndarray:
+        return step_plan.in_prompts(self.pool.fixed["prompt_id"], prompts)
 
-    def _wait_for(self, step: int, prompts: range) -> None:
+    def _wait_for(self, step: int, prompts) -> None:
         need = len(prompts) * self.G
         while (have := int(self._in(prompts).sum())) < need:
             if self.world.group_size == 1:
@@ -64,7 +63,7 @@ class StepReceiver:
             if not sum(len(b) for b in new) and self.exchange.ended:
                 raise batching.StalenessError(
                     f"step {step}: the generators ended the stream with {have} of the {need} records of prompts "
-                    f"[{prompts.start}, {prompts.stop}) sent"
+                    f"{step_plan.describe(prompts)} sent"
                 )
             self.pool = TrajectoryBatch.concat([self.pool, *new])
 
