@@ -1,21 +1,21 @@
 """The process side of the code reward's sandbox (docs/rewards.md, "Code"). Standard library only: it runs as a
-script (`python -I -S code_runner.py`, the spec as JSON on stdin) outside the package's import path, and a copy of
-it is the test harness inside the sandbox. The reward side (parsing tests, comparing outputs) is code_sandbox.py.
+script (`python -I -S code_runner.py`, the spec as JSON on stdin) outside the package's import path. The reward side
+(parsing tests, comparing outputs) is code_sandbox.py; the harness that runs inside the sandbox is code_harness.py.
 
-One file, three roles:
+Two roles, and the harness they start:
 - runner: enters new network, PID and mount namespaces (not as root: inside a new user namespace) where the kernel
   allows, else notes why not; forks the sandbox's init and relays init's JSON lines (one per test) to stdout.
 - init (PID 1 of the new PID namespace): private tmpfs mounts over /tmp, /var/tmp and /dev/shm; per test, forks a
   child that takes the resource limits and (as root) an unprivileged uid, then execs the harness; after each test
   it kills whatever the test left running (in the PID namespace: every other process in it).
-- harness (`harness.py --child`, the sandbox's python, run as that uid): runs the program and one test and
-  reports through fd 4; an audit hook reports network use, writes outside the working directory, reads of files
-  the uid may not read, and signals to other processes (each a violation: the sample is an error).
+- harness (code_harness.py, copied in as harness.py, run by the sandbox's python as that uid): runs the program and
+  one test and reports through fd 4, its audit hook any violation (the sample is then an error).
 Runner and init die with their parent (PR_SET_PDEATHSIG), and init's death ends every process of its namespace.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import select
@@ -26,7 +26,6 @@ import time
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
 MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x4000, 0x40000
 PR_SET_PDEATHSIG = 1
-JOB_FD, RESULT_FD = 3, 4
 TMPFS_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 WORKDIR_IN_NS = "/tmp/work"
 
@@ -239,7 +238,7 @@ def _exec_child(spec, workdir, fds, uid, gid, env) -> None:
             os.setuid(uid)
         _die_with_parent()
         python = spec["python"]
-        os.execve(python, [python, "-I", os.path.join(workdir, "harness.py"), "--child"], env)
+        os.execve(python, [python, "-I", os.path.join(workdir, "harness.py")], env)
     except BaseException as exc:  # noqa: BLE001
         os.write(2, f"sandbox: could not start {spec['python']}: {type(exc).__name__}: {exc}".encode())
     os._exit(127)
@@ -302,7 +301,7 @@ def run_test(spec, test, workdir, uid, gid, env, pid_ns) -> dict:
         _memfd("stdin", stdin.encode()),
         _memfd("stdout"),
         _memfd("stderr"),
-        _memfd("job", json.dumps(test).encode()),
+        _memfd("job", repr(test).encode()),  # the harness evals it: it imports nothing it does not need
         _memfd("result"),
     ]
     started = time.monotonic()
@@ -335,16 +334,22 @@ def run_test(spec, test, workdir, uid, gid, env, pid_ns) -> dict:
     if violation is not None:
         return {**result, "outcome": "violation", "detail": violation}
     assert done is not None
-    return {**result, "outcome": "ran", "status": done["status"], "detail": done.get("detail", ""),
-            "value": done.get("value")}  # fmt: skip
+    value = _jsonable(_literal(done["value"])) if isinstance(done.get("value"), str) else None
+    return {**result, "outcome": "ran", "status": done["status"], "detail": str(done.get("detail", "")),
+            "value": value}  # fmt: skip
+
+
+def _literal(text: str):
+    """A Python literal written by the sandbox (ast.literal_eval evaluates no code); the text itself otherwise."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return {"__repr__": text}
 
 
 def _parse(line: str) -> dict:
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return {}
-    return record if isinstance(record, dict) else {}
+    record = _literal(line)
+    return record if isinstance(record, dict) and "__repr__" not in record else {}
 
 
 def _signal_text(sig: int) -> str:
@@ -362,132 +367,6 @@ def _signal_text(sig: int) -> str:
     return reasons.get(sig, f"was killed by {name}")
 
 
-# --------------------------------------------------------------------------------------------------- harness
-
-_VIOLATION_ERRNOS = {  # uncaught OSErrors that mean a limit was hit
-    11: "hit the process limit (a fork bomb?)",  # EAGAIN from fork
-    27: "wrote more than the file-size limit",  # EFBIG
-    28: "filled its disk space",  # ENOSPC
-}
-
-
-class _Report:
-    """Writes the harness's records to fd 4; the bytes of a memory violation are ready before memory runs out."""
-
-    memory = b""
-
-    def __init__(self) -> None:
-        _Report.memory = self.line({"violation": "ran out of memory (the memory limit)"})
-
-    def line(self, record: dict) -> bytes:
-        return (json.dumps({"pid": os.getpid(), **record}) + "\n").encode()
-
-    def write(self, data: bytes) -> None:
-        try:
-            os.write(RESULT_FD, data)
-        except OSError:
-            pass
-
-    def violation(self, what: str) -> None:
-        self.write(self.line({"violation": what}))
-
-    def done(self, status: str, detail: str = "", value=None) -> None:
-        self.write(self.line({"status": status, "detail": detail[:500], "value": value}))
-
-
-def _audit_hook(report: _Report, workdir: str):
-    net = (2, 10)  # AF_INET, AF_INET6 (importing socket would cost every test a few ms)
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
-    parent = os.getppid()
-
-    def inside(path: str) -> bool:
-        path = os.path.normpath(os.path.join(workdir, path))
-        return path == workdir or path.startswith(workdir + os.sep) or path in ("/dev/null", "/dev/stdout")
-
-    def may_read(path: str) -> bool:
-        try:
-            os.stat(path)
-        except PermissionError:
-            return False
-        except (OSError, ValueError):
-            return True  # a missing file: open's own error, not a violation
-        return os.access(path, os.R_OK)
-
-    def deny(what: str):
-        report.violation(what)
-        raise PermissionError(f"sandbox: {what}")
-
-    def hook(event: str, args: tuple) -> None:
-        if event in ("socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg"):
-            if getattr(args[0], "family", None) in net:
-                deny(f"used the network ({event.split('.')[1]} {args[1]!r})")
-        elif event == "open":
-            path, mode, flags = args
-            if not isinstance(path, (str, bytes)):
-                return
-            path = os.fsdecode(path)
-            writes = (flags or 0) & write_flags or any(c in (mode or "") for c in "wax+")
-            if writes and not inside(path):
-                deny(f"wrote outside its directory ({path})")
-            if not writes and not may_read(path):
-                deny(f"read a file it may not read ({path})")
-        elif event in ("os.listdir", "os.scandir"):
-            path = args[0]
-            if isinstance(path, (str, bytes)) and not may_read(os.fsdecode(path)):
-                deny(f"listed a directory it may not read ({os.fsdecode(path)})")
-        elif event == "os.kill":
-            pid = args[0]
-            if pid <= 1 or pid == parent:
-                deny(f"sent a signal to process {pid}")
-        elif event == "os.killpg":
-            deny("sent a signal to a process group")
-
-    return hook
-
-
-def _run_program(report: _Report, source: str, kind: str) -> tuple[dict | None, str | None]:
-    """Runs the program: (its globals, None) or (None, why the test failed). A violation ends the
-    harness (reported)."""
-    # A stdin/stdout program is the main program; under assert and call tests it is a module, so its
-    # `if __name__ == "__main__":` demo (often reading input()) does not run.
-    name = "__main__" if kind == "stdio" else "solution"
-    scope: dict = {"__name__": name, "__builtins__": __builtins__}
-    try:
-        exec(compile(source, "program.py", "exec"), scope)
-    except SystemExit as exc:
-        if kind == "stdio":
-            return (scope, None) if exc.code in (None, 0) else (None, f"exit status {exc.code}")
-        report.violation("called sys.exit before its tests ran")
-        os._exit(0)
-    except BaseException as exc:  # noqa: BLE001
-        return None, _failure(report, exc)
-    return scope, None
-
-
-def _failure(report: _Report, exc: BaseException) -> str:
-    """Why a test failed, or a reported violation (memory, file size) that ends the harness."""
-    if isinstance(exc, MemoryError):
-        report.write(_Report.memory)
-        os._exit(0)
-    if isinstance(exc, OSError) and exc.errno in _VIOLATION_ERRNOS:
-        report.violation(_VIOLATION_ERRNOS[exc.errno])
-        os._exit(0)
-    if isinstance(exc, SystemExit):
-        report.violation("called sys.exit during its tests")
-        os._exit(0)
-    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    return " ".join(text.split())
-
-
-def _call_function(scope: dict, name: str):
-    fn = scope.get(name)
-    if fn is None and isinstance(scope.get("Solution"), type):  # LeetCode style: class Solution with the method
-        fn = getattr(scope["Solution"](), name, None)
-    if not callable(fn):
-        raise NameError(f"the program defines no function {name!r}")
-    return fn
-
-
 def _jsonable(value):
     try:
         return json.loads(json.dumps(value))
@@ -495,33 +374,5 @@ def _jsonable(value):
         return {"__repr__": repr(value)}
 
 
-def child_main() -> int:
-    report = _Report()
-    job = json.loads(_read_all(JOB_FD, 1 << 30))
-    os.close(JOB_FD)
-    sys.addaudithook(_audit_hook(report, os.getcwd()))
-    with open("program.py", encoding="utf-8") as f:
-        source = f.read()
-    kind = job["kind"]
-    scope, why = _run_program(report, source, kind)
-    if scope is None:
-        report.done("fail", why or "")
-        return 0
-    try:
-        if kind == "assert":
-            exec(compile(job["code"], "test.py", "exec"), scope)
-            value = None
-        elif kind == "call":
-            value = _jsonable(_call_function(scope, job["fn"])(*job["args"]))
-        else:
-            value = None
-        sys.stdout.flush()
-    except BaseException as exc:  # noqa: BLE001
-        report.done("fail", _failure(report, exc))
-        return 0
-    report.done("pass" if kind == "assert" else "ran", value=value)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(child_main() if sys.argv[1:] == ["--child"] else runner_main())
+    sys.exit(runner_main())

@@ -9,8 +9,8 @@ of tests passed (docs/rewards.md, "Code").
 - A program that breaks a sandbox rule (time, CPU, memory, file size, processes, network, files outside its
   directory, reading what it may not, signalling other processes, sys.exit / os._exit before its tests finished)
   raises CodeSandboxError: in the reward pool the sample scores 0 with reward_status ERROR and the run goes on.
-- Where it runs: `LocalSandbox` (code_runner.py: namespaces, rlimits, an unprivileged uid), or an external
-  SandboxFusion service (`SandboxFusion`, task.params.code_sandbox_url).
+- Where it runs: `LocalSandbox` (code_runner.py: namespaces, rlimits, an unprivileged uid; code_harness.py inside),
+  or an external SandboxFusion service (`SandboxFusion`, task.params.code_sandbox_url).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from typing import Any
 from rollout_hpc.errors import RewardSpecError
 
 RUNNER = Path(__file__).with_name("code_runner.py")
+HARNESS = Path(__file__).with_name("code_harness.py")
 # A fenced block: ```lang (anything else on the fence line is ignored) ... ```
 CODE_FENCE = re.compile(
     r"(?s)```[ \t]*([\w+.-]*)[^\n]*\n(.*?)```"
@@ -299,7 +300,7 @@ class LocalSandbox:
     def __init__(self, limits: CodeLimits) -> None:
         self.limits = limits
         self.uid, self.gid = _sandbox_ids()
-        self.harness = RUNNER.read_text(encoding="utf-8")
+        self.harness = HARNESS.read_text(encoding="utf-8")
         self.isolation: dict = {}
         _remove_stale_dirs()
         self.python = self._pick_python()
