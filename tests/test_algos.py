@@ -7,6 +7,7 @@ import torch
 
 from rollout_hpc.algos import (
     ALGORITHMS,
+    ESTIMATORS,
     aggregate,
     compute_advantages,
     discounted_returns,
@@ -21,6 +22,9 @@ from rollout_hpc.algos import (
     value_targets,
     whiten,
 )
+from rollout_hpc.cli import main as cli_main
+from rollout_hpc.config import load_config
+from rollout_hpc.errors import ConfigError
 
 torch.set_num_threads(1)
 
@@ -157,11 +161,38 @@ def test_compute_advantages_rejects_unknown_names_and_params():
 
 
 def test_registry_says_what_each_algorithm_needs():
-    assert set(ALGORITHMS) == {"grpo", "ppo", "dapo", "rloo", "reinforce_pp"}
+    assert set(ALGORITHMS) == {"grpo", "dr_grpo", "ppo", "dapo", "rloo", "reinforce_pp"}
     assert [n for n, s in ALGORITHMS.items() if s.needs_critic] == ["ppo"]
     assert ALGORITHMS["grpo"].kl_in == "loss" and ALGORITHMS["reinforce_pp"].kl_in == "reward"
     assert ALGORITHMS["dapo"].dynamic_sampling and not ALGORITHMS["grpo"].dynamic_sampling
-    assert ALGORITHMS["grpo"].needs_reference(0.01) and not ALGORITHMS["grpo"].needs_reference(0.0)
+    assert {row.advantage for row in ALGORITHMS.values()} == set(ESTIMATORS)  # no estimator without a row
+
+
+def test_dr_grpo_centres_on_the_group_mean_without_the_std():
+    # group 1: rewards 3, 1, 1, 3 -> mean 2 -> +1, -1, -1, +1 (GRPO would divide by std 1.1547: +-0.866)
+    # group 2: 0, 0, 0, 4 -> mean 1 -> -1, -1, -1, +3 (GRPO: std 2 -> -0.5, -0.5, -0.5, +1.5)
+    rewards, mask = t([3, 1, 1, 3, 0, 0, 0, 4]), torch.ones(8, 3)
+    mask[7, 2] = 0
+    adv = compute_advantages("dr_grpo", rewards, 4, mask)
+    close(adv[:, 0], [1, -1, -1, 1, -1, -1, -1, 3])
+    assert adv[7, 2] == 0 and torch.equal(adv[:, 0], adv[:, 1])
+    close(adv, compute_advantages("grpo", rewards, 4, mask, scale_by_std=False))
+    close(compute_advantages("grpo", rewards, 4, mask, eps=0.0)[4:, 0], [-0.5, -0.5, -0.5, 1.5])
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        compute_advantages("dr_grpo", t([1.0]), 1, torch.ones(1, 1))
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_every_row_is_a_config_value_and_listed_by_schema(name, capsys):
+    # A row is all it takes: the config accepts its name (and checks group_size against the row), `schema` lists it.
+    cfg = load_config(None, [f"algorithm.name={name}", "algorithm.group_size=2"])
+    assert cfg.algorithm.name == name
+    if ALGORITHMS[name].min_group_size > 1:
+        with pytest.raises(ConfigError, match=f"at least {ALGORITHMS[name].min_group_size}"):
+            load_config(None, [f"algorithm.name={name}", "algorithm.group_size=1"])
+    assert cli_main(["schema", "algorithm"]) == 0
+    listed = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"algorithm.name {name}:")]
+    assert len(listed) == 1 and ALGORITHMS[name].summary in listed[0] and ALGORITHMS[name].advantage in listed[0]
 
 
 # --- losses ------------------------------------------------------------------

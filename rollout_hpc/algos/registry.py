@@ -73,6 +73,10 @@ def _group_normalized(rewards, group_size, mask, params, kl, eps, gamma):
     return A.broadcast_to_tokens(A.group_normalized(rewards, group_size, eps, params.get("scale_by_std", True)), mask)
 
 
+def _group_centered(rewards, group_size, mask, params, kl, eps, gamma):
+    return A.broadcast_to_tokens(A.group_normalized(rewards, group_size, eps, scale_by_std=False), mask)
+
+
 def _leave_one_out(rewards, group_size, mask, params, kl, eps, gamma):
     # Sequence-level KL: the per-token KL penalties summed along the response.
     token_r = A.token_kl_rewards(rewards, mask, **kl)
@@ -91,6 +95,7 @@ def _gae(rewards, group_size, mask, params, kl, eps, gamma):
 
 ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
     "group_normalized": _group_normalized,
+    "group_centered": _group_centered,
     "leave_one_out": _leave_one_out,
     "reinforce_pp": _reinforce_pp,
     "gae": _gae,

@@ -1,6 +1,9 @@
 """The algorithms as table rows: one frozen dataclass per algorithm, no torch needed (the config reads the
 names from here). Adding an algorithm = one row here + its advantage estimator (registered by name in
-algos/registry.py) or loss, if it needs a new one."""
+algos/registry.py), if it needs a new one: the config's allowed names, compute_advantages, the batching (KL in
+the loss or the reward, critic values), the step plan (dynamic sampling) and the trainer loop (a critic or not)
+read the row. Every algorithm trains on the clipped policy loss (losses.policy_loss); a reference model is
+built whenever algorithm.kl_coef > 0, whatever the row."""
 
 from __future__ import annotations
 
@@ -12,18 +15,13 @@ from typing import Literal
 class Algorithm:
     name: str
     advantage: str  # estimator in registry.ESTIMATORS: per-sequence rewards -> per-token advantages
-    loss: Literal["ppo_clip"] = "ppo_clip"  # policy loss (losses.policy_loss); clip-higher via algorithm.clip_eps_high
-    paper_agg: Literal[
-        "token_mean", "seq_mean"
-    ]  # the paper's aggregation (algorithm.loss_agg runs; default token_mean)
+    # The paper's loss aggregation; a run uses algorithm.loss_agg (token_mean unless set: docs/algorithms.md says why).
+    paper_agg: Literal["token_mean", "seq_mean"]
     needs_critic: bool = False  # a value model trained on value_loss (PPO)
     kl_in: Literal["loss", "reward"]  # where algorithm.kl_coef applies (either way kl_coef > 0 needs a reference model)
     min_group_size: int = 1  # smallest algorithm.group_size that gives the estimator a baseline
     dynamic_sampling: bool = False  # drop all-equal-reward groups by default (any algorithm may turn it on)
-    summary: str = ""
-
-    def needs_reference(self, kl_coef: float) -> bool:
-        return kl_coef > 0
+    summary: str = ""  # one line for `rollout-hpc schema algorithm`
 
 
 ROWS = (
@@ -34,6 +32,14 @@ ROWS = (
         kl_in="loss",
         min_group_size=2,
         summary="group-normalised advantages, KL to reference in the loss",
+    ),
+    Algorithm(
+        name="dr_grpo",
+        advantage="group_centered",
+        paper_agg="token_mean",  # the paper: token sum / a constant budget; token_mean weighs tokens alike too
+        kl_in="loss",
+        min_group_size=2,
+        summary="Dr. GRPO: GRPO without the std division, token-level loss (no per-response length normalisation)",
     ),
     Algorithm(
         name="dapo",

@@ -1,4 +1,5 @@
-"""rollout-hpc schema: every config key with its type, default and meaning."""
+"""rollout-hpc schema: every config key with its type, default and meaning (and, for the algorithm section, the
+algorithms of rollout_hpc/algos/table.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import yaml
 from pydantic import BaseModel
 from rich.table import Table
 
+from rollout_hpc.algos.table import ALGORITHMS
 from rollout_hpc.commands import out
-from rollout_hpc.config import Config, UserError, json_schema
+from rollout_hpc.config import Config, json_schema
+from rollout_hpc.errors import UserError
 
 
 def _type_name(annotation: typing.Any) -> str:
@@ -33,6 +36,24 @@ def _rows(model: type[BaseModel], prefix: str = ""):
         yield path, _type_name(inner), default, info.description or ""
 
 
+def _algorithm_rows():
+    """The values of algorithm.name: one row of rollout_hpc/algos/table.py each."""
+    for a in ALGORITHMS.values():
+        yield (
+            a.name,
+            a.advantage,
+            "yes" if a.needs_critic else "no",
+            a.kl_in,
+            str(a.min_group_size),
+            "on" if a.dynamic_sampling else "off",
+            a.paper_agg,
+            a.summary,
+        )
+
+
+ALGORITHM_COLUMNS = ("algorithm.name", "advantage", "critic", "KL in", "min group", "dynamic sampling", "paper agg", "")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.format == "json":
         print(json.dumps(json_schema(), indent=2))
@@ -44,9 +65,13 @@ def run(args: argparse.Namespace) -> int:
     if not rows:
         sections = ", ".join(Config.model_fields)
         raise UserError(f"no config section '{args.section}'; the sections are {sections}")
+    algorithms = list(_algorithm_rows()) if args.section == "algorithm" else []
     if not out.is_terminal:  # piped: one key per line, whole, for grep
         for key, kind, default, meaning in rows:
             print(f"{key}: {kind} = {default}" + (f"  # {meaning}" if meaning else ""))
+        for name, *fields, summary in algorithms:
+            details = ", ".join(f"{column} {value}" for column, value in zip(ALGORITHM_COLUMNS[1:-1], fields))
+            print(f"algorithm.name {name}: {summary} ({details})")
         return 0
     table = Table(title="rollout-hpc config keys" + (f" ({args.section})" if args.section else ""))
     for column in ("key", "type", "default", "meaning"):
@@ -54,6 +79,13 @@ def run(args: argparse.Namespace) -> int:
     for row in rows:
         table.add_row(*row)
     out.print(table)
+    if algorithms:
+        table = Table(title="the algorithms (rows of rollout_hpc/algos/table.py)")
+        for column in ALGORITHM_COLUMNS:
+            table.add_column(column, overflow="fold")
+        for algorithm in algorithms:
+            table.add_row(*algorithm)
+        out.print(table)
     return 0
 
 
