@@ -228,7 +228,7 @@ def _exec_child(spec, workdir, fds, uid, gid, env) -> None:
         high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 100) for fd in fds]  # clear of 0-4 while placing them
         for slot, fd in enumerate(high):
             os.dup2(fd, slot)
-        os.closerange(len(fds), 4096)
+        os.closerange(len(fds), os.sysconf("SC_OPEN_MAX"))
         os.chdir(workdir)
         for which, value in _limits(spec):
             resource.setrlimit(which, value)

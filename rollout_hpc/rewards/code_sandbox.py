@@ -60,7 +60,7 @@ class CodeLimits:
 
     timeout_s: float = 5.0  # wall time per test (also its CPU-time limit, rounded up)
     memory_mb: int = 512  # address space per test process
-    max_procs: int = 32  # processes of the sandbox uid
+    max_procs: int = 8  # processes of the sandbox uid (memory_mb each at most)
     file_mb: int = 16  # largest file (and stdout) a test may write; private /tmp is 4x this
     python: str | None = None  # the sandbox's interpreter (default: this one if the sandbox uid can run it)
     sandbox_url: str | None = None  # a SandboxFusion service instead of the local sandbox
