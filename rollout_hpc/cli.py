@@ -15,7 +15,7 @@ import sys
 import traceback
 
 from rollout_hpc import __version__, commands
-from rollout_hpc.config import UserError
+from rollout_hpc.errors import UserError
 
 EPILOG = """\
 examples:

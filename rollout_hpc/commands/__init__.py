@@ -2,7 +2,7 @@
 
 cli.py imports every module here (pkgutil), so a new command is a new file. A command's handler
 is set with `parser.set_defaults(func=handler)`; handler(args) -> exit code. Raise
-rollout_hpc.config.UserError for anything the user can fix: the CLI prints it as one paragraph.
+rollout_hpc.errors.UserError for anything the user can fix: the CLI prints it as one paragraph.
 """
 
 from __future__ import annotations

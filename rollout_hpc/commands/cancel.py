@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 
 from rollout_hpc.commands import out
-from rollout_hpc.config import UserError
+from rollout_hpc.errors import UserError
 from rollout_hpc.launch import rundir
 from rollout_hpc.launch.status import ENDED, job_states, local_state
 from rollout_hpc.launch.submit import scancel

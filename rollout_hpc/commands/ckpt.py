@@ -6,7 +6,7 @@ import argparse
 import json
 
 from rollout_hpc.commands import out
-from rollout_hpc.config import UserError
+from rollout_hpc.errors import UserError
 
 
 def cmd_ckpt(args: argparse.Namespace) -> int:

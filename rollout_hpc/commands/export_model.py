@@ -9,7 +9,7 @@ from rollout_hpc.commands import err, out
 
 
 def cmd_export_model(args: argparse.Namespace) -> int:
-    from rollout_hpc.models.export import export_model
+    from rollout_hpc.models.export import export_model  # in here: torch and transformers; the CLI must start fast
 
     result = export_model(
         args.run_dir,

@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from rollout_hpc.commands import add_config_arguments, config_path
-from rollout_hpc.config import UserError, load_config
+from rollout_hpc.config import load_config
+from rollout_hpc.errors import UserError
 from rollout_hpc.launch import rundir
 
 GROUPS = ("generator", "trainer")

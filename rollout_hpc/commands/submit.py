@@ -7,7 +7,7 @@ import shlex
 from pathlib import Path
 
 from rollout_hpc.commands import add_config_arguments, config_path, load, out
-from rollout_hpc.config import UserError
+from rollout_hpc.errors import UserError
 from rollout_hpc.launch import rundir
 from rollout_hpc.launch.local import record_mpirun_command, require_mpirun, run_local
 from rollout_hpc.launch.submit import resolve_launcher, submit_slurm

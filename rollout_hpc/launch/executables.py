@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 
-from rollout_hpc.config import UserError
+from rollout_hpc.errors import UserError
 
 
 def require_executable(name: str, missing: str) -> str:

@@ -18,7 +18,8 @@ from pathlib import Path
 import jinja2
 
 from rollout_hpc import __version__
-from rollout_hpc.config import Config, GroupSection, UserError
+from rollout_hpc.config import Config, GroupSection
+from rollout_hpc.errors import UserError
 
 BASE_TEMPLATE = "rollout.sbatch"
 CONFIG_TEMPLATE = "directives.j2"

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from rollout_hpc.config import Config, UserError, load_config
+from rollout_hpc.config import Config, load_config
+from rollout_hpc.errors import UserError
 from rollout_hpc.launch import rundir
 from rollout_hpc.launch.render import render_script
 from rollout_hpc.launch.status import ENDED, job_states, local_state

@@ -30,8 +30,9 @@ from typing import Any
 import yaml
 
 from rollout_hpc import __version__
-from rollout_hpc.config import Config, ConfigError, UserError
+from rollout_hpc.config import Config
 from rollout_hpc.envs.registry import check_task
+from rollout_hpc.errors import ConfigError, UserError
 from rollout_hpc.rundir_layout import (
     CHECKPOINTS,
     CONFIG_SNAPSHOT,

@@ -7,7 +7,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollout_hpc.config import Config, UserError
+from rollout_hpc.config import Config
+from rollout_hpc.errors import UserError
 from rollout_hpc.launch import rundir
 from rollout_hpc.launch.executables import require_executable
 from rollout_hpc.launch.render import render_script
