@@ -60,7 +60,7 @@ def wait_until_logged(run_dir: Path, step: int, timeout: float = 60) -> None:
 
 def test_trackers_hold_every_step_once_after_a_kill_and_resume(tmp_path):
     run_dir = tmp_path / "cut"
-    config = write_run_config(tmp_path, "cut", steps=STEPS, sleep=0.2, extra=TRACKED)
+    config = write_run_config(tmp_path, "cut", steps=STEPS, sleep=0.1, extra=TRACKED)
     run = Interruptible("submit", config, "--local", "--run-dir", run_dir, cwd=tmp_path)
     run.wait_for_step(4)  # checkpoints every 3 steps: steps 3 and 4 (0-based) come after the newest, 3
     wait_until_logged(run_dir, 4)

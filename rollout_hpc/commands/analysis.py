@@ -120,9 +120,66 @@ def _clean(value):
     return value
 
 
+def export_provenance(directory: Path) -> dict:
+    """Where an exported model directory came from (its rollout_hpc_export.json), checked against the disk now:
+    its files unchanged since the export, the run directory and the checkpoint still there, the run's config."""
+    from rollout_hpc.models.export import ExportError, read_export_info  # in here: torch
+    from rollout_hpc.store.checkpoint import check_compatible
+
+    info = read_export_info(directory)
+    run_dir = Path(info["run_dir"])
+    try:
+        read_export_info(directory, verify=True)
+        files = f"all {len(info['files'])} files match their SHA-256 at export"
+    except ExportError as exc:
+        files = f"CHANGED: {exc}"
+    resolved = run_dir / "config.resolved.yaml"
+    # what the run's config says now against the one the exported checkpoint was trained under (resume --set)
+    changed = check_compatible(info, resolved.read_text(), force=True) if resolved.is_file() else None
+    return {
+        **{k: v for k, v in info.items() if k != "config"},
+        "checks": {
+            "files": files,
+            "run_dir_exists": run_dir.is_dir(),
+            "checkpoint_exists": Path(info["checkpoint"]).exists(),
+            "run_config_changed_since": changed,
+        },
+    }
+
+
+def _print_provenance(directory: Path, p: dict) -> None:
+    checks, model = p["checks"], p.get("model", {})
+    gone = "" if checks["run_dir_exists"] else "  [red](no longer there)[/]"
+    kept = "" if checks["checkpoint_exists"] else "  [yellow](since removed: checkpoint.keep_last)[/]"
+    style = "red" if checks["files"].startswith("CHANGED") else "green"
+    rows = [
+        ("run", f"{p.get('run_name')}  {p['run_dir']}{gone}"),
+        ("step / policy version", f"{p['step']} / {p.get('policy_version')}"),
+        ("checkpoint", f"{p['checkpoint']}{kept}"),
+        ("config digest", str(p.get("config_digest"))),
+        ("weights sha256", f"{p.get('weights_sha256')}  (as `rollout-hpc ckpt RUN_DIR` prints it)"),
+        ("model", f"{model.get('architecture')} from {model.get('base')}, {model.get('dtype')}"),
+        ("exported", f"{p.get('exported')} by rollout-hpc {p.get('rollout_hpc')}"),
+        ("files", f"[{style}]{checks['files']}[/]"),
+    ]
+    if checks["run_config_changed_since"]:
+        rows.append(("run config since", "[yellow]" + "; ".join(checks["run_config_changed_since"]) + "[/]"))
+    out.print(f"[bold]{directory}[/]: a model exported by `rollout-hpc export-model`")
+    for label, value in rows:  # lines, not a table: digests and paths stay whole for copying
+        out.print(f"  {label:<22} {value}")
+
+
 def cmd_analyze(args: argparse.Namespace) -> int:
     from rollout_hpc.analysis.summary import summarize  # in here: h5py; the CLI imports every command at start
 
+    # models.export.EXPORT_INFO, not imported for this test: it pulls torch
+    if (Path(args.run_dir) / "rollout_hpc_export.json").is_file():  # an exported model: where it came from
+        provenance = export_provenance(Path(args.run_dir))
+        if args.json:
+            print(json.dumps(provenance, indent=2))
+        else:
+            _print_provenance(Path(args.run_dir), provenance)
+        return 1 if provenance["checks"]["files"].startswith("CHANGED") else 0
     summary = summarize(args.run_dir)
     if args.json:
         print(json.dumps(_clean(summary), indent=2))
@@ -206,9 +263,10 @@ def register(subparsers) -> None:
         help="summary of a run from its trajectory log",
         description="Steps, samples, tokens, reward trend, lengths, KL, entropy, staleness, "
         "time breakdown, reward errors, the eval curve (validation during training) and "
-        "warnings, streamed from RUN_DIR/trajectories.h5.",
+        "warnings, streamed from RUN_DIR/trajectories.h5. On a directory made by `rollout-hpc export-model`: "
+        "the run, step and config digest it came from, and whether its files are unchanged.",
     )
-    p.add_argument("run_dir", metavar="RUN_DIR", help=run_help)
+    p.add_argument("run_dir", metavar="RUN_DIR", help=run_help + ", or a model directory made by export-model")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_analyze)
 
