@@ -173,7 +173,8 @@ def test_test_case_formats():
         ("call", "add", [1, 2], [3]),
         ("call", "add", [3, 4], 7),  # a string input: one JSON argument per line
     ]
-    for bad in ({"inputs": ["1"], "outputs": []}, {"question": "?"}, [], "", 42, None):
+    never_called = "def check(candidate):\n    assert candidate(1, 2) == 3\n"  # a HumanEval 'test' column alone
+    for bad in ({"inputs": ["1"], "outputs": []}, {"question": "?"}, [], "", 42, None, never_called):
         with pytest.raises(CodeTestsError):
             parse_tests(bad)
 
@@ -389,6 +390,8 @@ def test_not_root_the_program_runs_as_the_user_in_a_user_namespace(listener, run
 
 def test_limits_are_validated_with_the_field_named(tmp_path):
     assert code_limits({"code_timeout_s": 2, "code_memory_mb": 1024, "prompt_key": "q"}) == CodeLimits(2.0, 1024)
+    only_two = code_reward(code_limits({"code_max_tests": 2}))
+    assert only_two(fenced("x = 1\n"), ["assert x == 1", "assert x == 1", "assert x == 2"]) == 1.0
     bad = {
         "code_timeout_s": [0, -1, "5", True, float("nan")],
         "code_memory_mb": [1.5, 16],

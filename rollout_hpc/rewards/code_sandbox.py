@@ -62,6 +62,7 @@ class CodeLimits:
     memory_mb: int = 512  # address space per test process
     max_procs: int = 8  # processes of the sandbox uid (memory_mb each at most)
     file_mb: int = 16  # largest file (and stdout) a test may write; private /tmp is 4x this
+    max_tests: int | None = None  # run at most the first N tests of a row (None: all)
     python: str | None = None  # the sandbox's interpreter (default: this one if the sandbox uid can run it)
     sandbox_url: str | None = None  # a SandboxFusion service instead of the local sandbox
 
@@ -72,6 +73,7 @@ _NUMBERS: dict[str, tuple[type, float, float]] = {  # field: (type, lowest, high
     "memory_mb": (int, 64, 1 << 20),
     "max_procs": (int, 1, 1 << 16),
     "file_mb": (int, 1, 1 << 20),
+    "max_tests": (int, 1, 1 << 20),
 }
 
 
@@ -122,6 +124,12 @@ def _assert_tests(code: str) -> list[dict]:
         return [{"kind": "assert", "code": code}]
     asserts = [node for node in tree.body if isinstance(node, ast.Assert)]
     if not asserts:
+        defines_check = any(isinstance(n, ast.FunctionDef) and n.name == "check" for n in tree.body)
+        if defines_check and not any(isinstance(n, ast.Expr) and isinstance(n.value, ast.Call) for n in tree.body):
+            raise CodeTestsError(
+                "the test code defines check(candidate) but never calls it (a HumanEval 'test' column alone): give "
+                "the answer as {'test': ..., 'entry_point': 'fn'} (e.g. a JSON string), or end the tests with check(fn)"
+            )
         return [{"kind": "assert", "code": code}]
     setup = "".join(f"{ast.get_source_segment(code, n)}\n" for n in tree.body if not isinstance(n, ast.Assert))
     return [{"kind": "assert", "code": f"{setup}{ast.get_source_segment(code, a)}"} for a in asserts]
@@ -481,7 +489,7 @@ def code_reward(limits: CodeLimits | None = None) -> Callable[[str, Any], float]
         program = extract_program(response)
         if program is None:
             return 0.0
-        tests = parse_tests(answer)
+        tests = parse_tests(answer)[: limits.max_tests]
         passed = backend.run(program, tests)
         return sum(passed) / len(tests)
 
