@@ -270,7 +270,8 @@ def test_hostile_programs_cost_the_sample_not_the_machine(sandbox, listener, run
 
 def test_the_namespace_blocks_what_the_audit_hook_does_not_see(sandbox, listener):
     """A program that connects through libc directly (no Python audit event) reaches nothing: its network
-    namespace has no route. It is just a failed test (reward 0, not an error)."""
+    namespace has no route. It is just a failed test (reward 0, not an error). A subprocess's writes land in the
+    sandbox's private tmpfs."""
     if not sandbox.isolation.get("network"):
         pytest.skip(f"no network namespace here: {sandbox.isolation.get('why')}")
     program = (
@@ -280,6 +281,10 @@ def test_the_namespace_blocks_what_the_audit_hook_does_not_see(sandbox, listener
     )
     assert sandbox.run(program, parse_tests({"inputs": [""], "outputs": ["0"]})) == [False]
     assert listener.accepted == 0
+    # A shell writes where the hook cannot see it: into the sandbox's own tmpfs, not the host's directories.
+    shell = "import subprocess\nsubprocess.run(['sh', '-c', 'echo x > /run/lock/planted; echo x > /var/tmp/planted'])\n"
+    assert sandbox.run(shell, parse_tests({"inputs": [""], "outputs": [""]})) == [True]
+    assert not Path("/run/lock/planted").exists() and not Path("/var/tmp/planted").exists()
 
 
 def test_a_reward_pool_counts_hostile_samples_as_errors_and_goes_on(tmp_path, listener, run_dir):

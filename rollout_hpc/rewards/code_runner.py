@@ -26,7 +26,7 @@ import time
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
 MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x4000, 0x40000
 PR_SET_PDEATHSIG = 1
-TMPFS_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+TMPFS_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/var/lock")  # the usual world-writable directories
 WORKDIR_IN_NS = "/tmp/work"
 
 
@@ -173,7 +173,7 @@ def _private_tmpfs(spec: dict, iso: dict) -> str | None:
         return why
     size = f"size={int(spec['tmpfs_mb'])}m,mode=1777".encode()
     for target in TMPFS_DIRS:
-        if os.path.isdir(target):
+        if os.path.isdir(target) and not os.path.islink(target):
             why = _mount(b"tmpfs", target, b"tmpfs", MS_NOSUID | MS_NODEV, size)
             if why:
                 return f"{why} ({target})"
