@@ -5,8 +5,8 @@ script (`python -I -S code_runner.py`, the spec as JSON on stdin) outside the pa
 Two roles, and the harness they start:
 - runner: enters new network, PID and mount namespaces (not as root: inside a new user namespace) where the kernel
   allows, else notes why not; forks the sandbox's init and relays init's JSON lines (one per test) to stdout.
-- init (PID 1 of the new PID namespace): private tmpfs mounts over /tmp, /var/tmp and /dev/shm; per test, forks a
-  child that takes the resource limits and (as root) an unprivileged uid, then execs the harness; after each test
+- init (PID 1 of the new PID namespace): private tmpfs mounts (nosuid, nodev, noexec) over the usual world-writable
+  directories (/tmp, /var/tmp, /dev/shm, /run/lock); per test, forks a child that takes the resource limits and (as root) an unprivileged uid, then execs the harness; after each test
   it kills whatever the test left running (in the PID namespace: every other process in it).
 - harness (code_harness.py, copied in as harness.py, run by the sandbox's python as that uid): runs the program and
   one test and reports through fd 4, its audit hook any violation (the sample is then an error).
@@ -16,6 +16,7 @@ Runner and init die with their parent (PR_SET_PDEATHSIG), and init's death ends 
 from __future__ import annotations
 
 import ast
+import ctypes
 import json
 import os
 import select
@@ -24,7 +25,7 @@ import sys
 import time
 
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
-MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x4000, 0x40000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x4000, 0x40000
 PR_SET_PDEATHSIG = 1
 TMPFS_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/var/lock")  # the usual world-writable directories
 WORKDIR_IN_NS = "/tmp/work"
@@ -33,16 +34,12 @@ WORKDIR_IN_NS = "/tmp/work"
 # ------------------------------------------------------------------------------------------------ libc calls
 
 
-def _libc():
-    import ctypes  # only the runner and init need it (the harness must start fast)
-
-    return ctypes.CDLL(None, use_errno=True), ctypes
+LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 def _call(name: str, *args) -> str | None:
     """A libc call; None when it worked, else the error text."""
-    libc, ctypes = _libc()
-    if getattr(libc, name)(*args) == 0:
+    if getattr(LIBC, name)(*args) == 0:
         return None
     return f"{name}: {os.strerror(ctypes.get_errno())}"
 
@@ -69,14 +66,11 @@ def runner_main() -> int:
     spec["drop_to"] = (spec["uid"], spec["gid"]) if root else None
     if not root:
         spec["max_procs"] = _processes_of(os.geteuid()) + int(spec["max_procs"])
-    if spec.get("namespaces", True):
-        why = _enter_namespaces(root)
-        if why is None:
-            iso.update(network=True, pid=True, mount=True, user_ns=not root)
-        else:
-            iso["why"] = why
+    why = _enter_namespaces(root)
+    if why is None:
+        iso.update(network=True, pid=True, mount=True, user_ns=not root)
     else:
-        iso["why"] = "namespaces switched off"
+        iso["why"] = why
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # init (PID 1 of the new PID namespace when there is one)
@@ -167,14 +161,15 @@ def _processes_of(uid: int) -> int:
 
 def _private_tmpfs(spec: dict, iso: dict) -> str | None:
     """Mounts of this namespace only: nothing propagates back; fresh size-limited tmpfs over the shared writable
-    directories (and the working directory inside /tmp); a /proc that shows this PID namespace only."""
+    directories (the working directory is inside /tmp; noexec: no binary or library it writes can run); a /proc
+    that shows this PID namespace only."""
     why = _mount(None, "/", None, MS_REC | MS_PRIVATE, None)
     if why:
         return why
     size = f"size={int(spec['tmpfs_mb'])}m,mode=1777".encode()
     for target in TMPFS_DIRS:
         if os.path.isdir(target) and not os.path.islink(target):
-            why = _mount(b"tmpfs", target, b"tmpfs", MS_NOSUID | MS_NODEV, size)
+            why = _mount(b"tmpfs", target, b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, size)
             if why:
                 return f"{why} ({target})"
     if iso["pid"]:
