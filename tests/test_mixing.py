@@ -17,7 +17,7 @@ from test_resume_local import cli
 from rollout_hpc import algos
 from rollout_hpc.config import load_config, mixture_quotas
 from rollout_hpc.envs.datafile import QuotaLayout
-from rollout_hpc.envs.registry import load_task
+from rollout_hpc.envs.registry import TaskError, load_task
 from rollout_hpc.runtime.step_plan import StepPlan, informative_groups
 from rollout_hpc.store.checkpoint import load_latest_valid, weights_digest
 from rollout_hpc.store.trajlog import TrajectoryReader
@@ -158,6 +158,25 @@ def test_each_source_is_scored_by_its_own_reward(tmp_path):
     words = next(stream[i] for i in range(4) if stream[i].domain == "words")
     assert task.reward(sums, sums.answer) == 1.0 and task.reward(sums, "no") == 0.0  # task.reward: exact
     assert task.reward(words, "anything") == 0.75  # its own plugin, told the source
+
+
+def test_a_source_without_a_reward_and_a_shared_val_file_need_task_reward(tmp_path):
+    write_data(tmp_path)
+
+    def task_of(sums_reward: str = "", *extra: str):
+        sums = f"{{name: sums, path: {tmp_path / 'sums.jsonl'}{sums_reward}}}"
+        words = f"{{name: words, path: {tmp_path / 'words.jsonl'}, reward: exact, prompt_key: q, answer_key: a}}"
+        overrides = ["task.name=dataset", f"task.params.train=[{sums}, {words}]", "algorithm.prompts_per_step=2"]
+        return load_task(load_config(None, [*overrides, *extra]).task)
+
+    with pytest.raises(TaskError, match="source 'sums' has no reward"):
+        task_of()
+    shared_val = f"task.params.val={tmp_path / 'sums_val.jsonl'}"
+    with pytest.raises(TaskError, match="task.params.val is one file"):
+        task_of(", reward: exact", shared_val)
+    task = task_of(", reward: exact", shared_val, "task.reward=exact")
+    held_out = task.eval_prompts(0)
+    assert len(held_out) == 1 and held_out[0].domain is None and task.reward(held_out[0], "4") == 1.0
 
 
 # --- end to end ---------------------------------------------------------------------------------------------------
