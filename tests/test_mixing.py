@@ -9,6 +9,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 import torch
@@ -20,7 +21,7 @@ from rollout_hpc.envs.datafile import QuotaLayout
 from rollout_hpc.envs.registry import TaskError, load_task
 from rollout_hpc.runtime.step_plan import StepPlan, informative_groups
 from rollout_hpc.store.checkpoint import load_latest_valid, weights_digest
-from rollout_hpc.store.trajlog import TrajectoryReader
+from rollout_hpc.store.trajlog import TrajectoryLog, TrajectoryReader
 from rollout_hpc.trajectory import TrajectoryBatch
 
 # words' reward plugin: a constant that says whether the prompt arrived tagged with its source
@@ -129,6 +130,26 @@ def test_batch_whitening_is_per_domain(name):
         assert abs(float(rows.mean())) < 1e-5 and abs(float(rows.std()) - 1.0) < 1e-3
     pooled = algos.compute_advantages(name, rewards, 2, mask, **extra)
     assert float(pooled[domains == 1].mean()) < -0.5  # pooled, the small domain's rows all look bad
+
+
+def test_a_log_from_before_the_domain_field_reads_as_domain_0_and_gains_the_column(tmp_path):
+    """`domain` took a byte of the record's padding (same record size and layout version): an older log has no
+    /traj/domain, reads as domain 0, and gets the column (zeros for its old rows) when a resumed run reopens it."""
+    batch = TrajectoryBatch.from_records(
+        [{"prompt_id": i, "sample_idx": 0, "reward": 1.0, "domain": 1, "response_ids": [1, 2]} for i in range(3)]
+    )
+    with TrajectoryLog.open_for_append(tmp_path, {"run_name": "old"}) as log:
+        log.append(batch, 0)
+        log.append_metrics(0, {})
+    with h5py.File(tmp_path / "trajectories.h5", "r+") as f:
+        del f["traj/domain"]  # as an older rollout-hpc wrote it
+    with TrajectoryReader(tmp_path) as r:
+        assert not r.has_column("domain") and r.column("domain").tolist() == [0, 0, 0]
+    with TrajectoryLog.open_for_append(tmp_path, resume_step=0) as log:
+        assert log.reconciled["upgraded"] == ["/traj/domain"]
+        log.append(batch, 1)
+    with TrajectoryReader(tmp_path) as r:
+        assert r.column("domain").tolist() == [0, 0, 0, 1, 1, 1]
 
 
 # --- validation ---------------------------------------------------------------------------------------------------
