@@ -79,6 +79,13 @@ class RunSection(_Section):
         description="What the ranks run: 'train' (warmup.sft_steps of SFT, if any, then the RL loop), 'sft' "
         "(only the warm-up: supervised fine-tuning on the dataset's answers), or 'hello' (prove the MPI world and exit).",
     )
+    hang_timeout: float = Field(
+        300.0,
+        ge=0,
+        description="Seconds a rank may make no progress (no step done, no wait on another rank) before the job dumps "
+        "every rank's Python stacks into logs/stacks-rank*.txt and ends (after a checkpoint where one can be written); "
+        "0 = never. Counted from the end of start-up; raise it when one step can take longer.",
+    )
 
     @field_validator("name")
     @classmethod

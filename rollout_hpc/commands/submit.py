@@ -6,7 +6,7 @@ import argparse
 import shlex
 from pathlib import Path
 
-from rollout_hpc.commands import add_config_arguments, config_path, load, out
+from rollout_hpc.commands import add_config_arguments, config_path, doctor, load, out
 from rollout_hpc.errors import UserError
 from rollout_hpc.launch import rundir
 from rollout_hpc.launch.local import record_mpirun_command, require_mpirun, run_local
@@ -21,6 +21,10 @@ def run(args: argparse.Namespace) -> int:
     if launcher == "local" and args.chain:
         raise UserError("--chain queues dependent Slurm jobs; it has no meaning with the local launcher (--local)")
     run_dir = Path(args.run_dir) if args.run_dir else None
+    if args.doctor and not doctor.passes(cfg, run_dir or cfg.run.resolved_dir()):
+        raise UserError(
+            "rollout-hpc doctor found a problem (the table above): fix it, then submit again; nothing was submitted"
+        )
     if launcher == "slurm":
         sub = submit_slurm(
             cfg, config_path(args), args.overrides, dry_run=args.dry_run, chain=args.chain, run_dir=run_dir
@@ -77,4 +81,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "to continue a run longer than one allocation",
     )
     p.add_argument("--run-dir", metavar="DIR", help="run directory (default: run.dir or runs/<run.name>)")
+    p.add_argument(
+        "--doctor", action="store_true", help="run `rollout-hpc doctor` first; submit nothing if a check fails"
+    )
     p.set_defaults(func=run)

@@ -54,6 +54,7 @@ import time
 
 import numpy as np
 
+from rollout_hpc.exchange.faults import fault_point
 from rollout_hpc.trajectory import LayoutError, TrajectoryBatch
 
 TAG_DATA, TAG_ACK, TAG_END, TAG_ABORT = 31, 32, 33, 34
@@ -447,6 +448,7 @@ class _Forwarder(_Worker):
         MPI.Request.Waitall([self.comm.Isend([payload, MPI.BYTE], dest=d, tag=tag) for d in self.dests])
 
     def _send(self, claim: _Claim):
+        fault_point("forwarder")
         view = claim.view
         try:  # the header only: routing needs the token count; the receiver checks every length
             n_records, n_tokens = TrajectoryBatch.peek(view)
@@ -571,6 +573,7 @@ class _Receiver(_Worker):
     def _receive_batch(self, msg, source: int, count: int) -> None:
         """Receive straight into a ring record (no copy); a damaged batch is abandoned, never committed."""
         MPI = self.MPI
+        fault_point("receiver")
         # Reserving blocks while the trainers are behind: that is the backpressure.
         with self.ex.ring.reserve(count) as view:
             msg.Recv([view, MPI.BYTE])

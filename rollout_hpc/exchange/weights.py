@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rollout_hpc.exchange.faults import fault_point
 from rollout_hpc.trajectory import TrajectoryBatch
 
 _TAG_HEADER = 21
@@ -183,6 +184,8 @@ class WeightSync:
                 blob = bytearray(status.Get_count(MPI.BYTE))
                 self.comm.Recv([blob, MPI.BYTE], source=0, tag=_TAG_HEADER)
                 header = _Header.from_json(blob)
+                if not header.stop:
+                    fault_point("weight-sync")
                 t0 = time.perf_counter()
                 sizes = header.sizes
                 flat = self._buffer(sum(sizes))

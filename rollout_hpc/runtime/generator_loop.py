@@ -20,7 +20,11 @@ import threading
 import time
 from pathlib import Path
 
+from rollout_hpc.errors import RewardFatal
+from rollout_hpc.exchange.faults import fault_point
 from rollout_hpc.exchange.weights import SyncClosed
+from rollout_hpc.rewards import REWARD_ERROR, REWARD_OK
+from rollout_hpc.runtime import watchdog
 from rollout_hpc.runtime.evaluation import EvalSchedule, Evaluator
 from rollout_hpc.runtime.step_plan import Informative, StepPlan, informative_groups, rank_share
 from rollout_hpc.runtime.world import abort_world
@@ -33,12 +37,15 @@ class RewardWorkers:
     the pool (rollout_hpc.rewards.RewardPool: separate processes, a timeout per sample) and puts batches
     in submission order, so the trainer's input never depends on thread timing. A sample whose reward
     raised or timed out scores 0 with its reward_status set (logged, counted per step). A reward that
-    returns a non-number (NaN, inf, a string) ends the whole job at once with a message naming the
-    reward: a wrong reward would silently train the model on garbage.
+    returns a non-number (NaN, inf, a string), or raises on ERROR_STREAK_FATAL samples in a row, ends the
+    whole job at once with a message naming the reward: a broken reward would silently train on garbage.
     """
+
+    ERROR_STREAK_FATAL = 64  # rewards in a row that raised: the reward is broken, not one odd sample
 
     def __init__(self, exchange, pool) -> None:
         self.exchange, self.pool = exchange, pool
+        self.error_streak = 0
         self.lock = threading.Lock()  # one caller of the pool at a time (sender thread, eval, refills)
         self.queue: queue.Queue = queue.Queue(maxsize=4)  # bound the work in flight
         self.sender = threading.Thread(target=self._send_loop, name="reward-sender", daemon=True)
@@ -47,7 +54,18 @@ class RewardWorkers:
     def score(self, jobs: list) -> list:
         """[(key, text)] -> [RewardResult], in order (blocks)."""
         with self.lock:
-            return self.pool.score(jobs)
+            results = self.pool.score(jobs)
+            for r in results:
+                if r.status == REWARD_OK:
+                    self.error_streak = 0
+                elif r.status == REWARD_ERROR:  # a timeout says nothing about the reward's code: neither
+                    self.error_streak += 1
+                    if self.error_streak >= self.ERROR_STREAK_FATAL:
+                        raise RewardFatal(
+                            f"{self.pool.name} raised on the last {self.error_streak} samples in a row (the last: "
+                            f"{r.error}); a reward that fails on every sample trains nothing: fix it and resume"
+                        )
+            return results
 
     def _scored(self, batch, keys: list, texts: list[str]):
         results = self.score(list(zip(keys, texts)))
@@ -70,6 +88,7 @@ class RewardWorkers:
             if job is None:
                 return
             try:
+                fault_point("reward-sender")
                 self.exchange.put(self._scored(*job))
             except BaseException as exc:  # noqa: BLE001 - any failure here must end the job, not this thread
                 abort_world(str(exc) if hasattr(exc, "args") and exc.args else repr(exc))
@@ -79,6 +98,15 @@ class RewardWorkers:
         self.queue.put(None)
         self.sender.join()
         self.pool.close()
+
+
+def receive_weights(weights, min_version: int):
+    """weights.receive(min_version), in slices: waiting for the trainers is not a hang of this rank."""
+    while True:
+        try:
+            return weights.receive(min_version, timeout=watchdog.WAIT_SLICE_S)
+        except TimeoutError:
+            watchdog.waiting()
 
 
 def make_generator(cfg, model, tokenizer, task):
@@ -191,9 +219,10 @@ def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights
     evaluator = make_evaluator(world, cfg, gen, task, workers, eval_comm) if cfg.eval and eval_comm else None
 
     # The trainers publish the weights they start from; its version is the first step to generate.
-    version, tensors = weights.receive(0)
+    version, tensors = receive_weights(weights, 0)
     gen.load_weights(tensors)
     step = version
+    watchdog.beat(step)  # start-up is over: from here a rank that stops making progress is hung
     schedule = EvalSchedule(cfg, step)
 
     def evaluate_if_due(step: int) -> None:
@@ -204,7 +233,7 @@ def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights
         if point is None:
             return
         if version < point:  # off-policy runs: evaluate the point's own weights
-            version, tensors = weights.receive(point)
+            version, tensors = receive_weights(weights, point)
             gen.load_weights(tensors)
         evaluator.run(point, version)
 
@@ -215,7 +244,7 @@ def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights
             target = warmup if point is None else min(point, warmup)
             try:
                 if version < target:
-                    version, tensors = weights.receive(target)
+                    version, tensors = receive_weights(weights, target)
                     gen.load_weights(tensors)
                 step = max(target, version)
                 evaluate_if_due(step)
@@ -224,7 +253,7 @@ def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights
         while step < total:
             need = step - cfg.exchange.max_staleness
             try:
-                got = weights.poll() if version >= need else weights.receive(need)
+                got = weights.poll() if version >= need else receive_weights(weights, need)
                 if got is not None:
                     version, tensors = got
                     gen.load_weights(tensors)
@@ -243,6 +272,7 @@ def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights
             else:
                 generate_with_refills(world, cfg, plan, gen, dataset, exchange, workers, version)
             step += 1
+            watchdog.beat(step)
         else:
             try:  # the final eval: the weights of the last step
                 evaluate_if_due(total)

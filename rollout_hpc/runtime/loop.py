@@ -23,9 +23,14 @@ import torch
 from rollout_hpc.exchange.forward import Exchange
 from rollout_hpc.exchange.weights import SyncClosed, WeightSync
 from rollout_hpc.models import build_model, load_tokenizer
+from rollout_hpc.runtime import watchdog
 from rollout_hpc.runtime.checkpointing import install_stop_handlers
-from rollout_hpc.runtime.generator_loop import run_generator
+from rollout_hpc.runtime.generator_loop import receive_weights, run_generator
 from rollout_hpc.runtime.trainer_loop import run_trainer
+from rollout_hpc.runtime.world import abort_world
+
+# After a checkpoint-and-stop, how long the trainers wait for the generators to finish the step they are in.
+STOP_GRACE_S = 10.0
 
 
 def seed_everything(cfg, world) -> None:
@@ -71,13 +76,21 @@ def _run(world, cfg, run_dir: Path) -> int:
     weights = WeightSync(world, cfg, poll_interval=0.0005)
     # Eval results travel generator group rank 0 -> the log writer on a communicator of their own (collective here).
     eval_comm = world.comm.Dup() if cfg.eval else None
+    dog = watchdog.Watchdog(world, cfg, run_dir)  # collective too; ends a job that stopped making progress
+    try:
+        return _roles(world, cfg, run_dir, model, tokenizer, exchange, weights, eval_comm)
+    finally:
+        dog.close()
+
+
+def _roles(world, cfg, run_dir: Path, model, tokenizer, exchange, weights, eval_comm) -> int:
     # Orderly shutdown on success only: after an exception the entry point aborts the whole world,
     # because waiting for partners here could block until the time limit.
     if world.is_generator:
         code = run_generator(world, cfg, run_dir, model, tokenizer, exchange, weights, eval_comm)
         try:  # keep taking part in weight broadcasts until the trainers close the stream
             while True:
-                weights.receive(1 << 62)
+                receive_weights(weights, 1 << 62)
         except SyncClosed:
             pass
         exchange.close()
@@ -85,5 +98,12 @@ def _run(world, cfg, run_dir: Path) -> int:
         return code
     code = run_trainer(world, cfg, run_dir, model, exchange, weights, eval_comm=eval_comm, tokenizer=tokenizer)
     weights.close()
-    exchange.close()  # returns once every generator has sent END
+    try:  # returns once every generator has sent END; after a stop, a generator stuck in its step must not hold the job
+        exchange.close(timeout=None if code == 0 else STOP_GRACE_S)
+    except TimeoutError:
+        abort_world(
+            f"stopped with a checkpoint, but a generator did not finish its step within {STOP_GRACE_S:g}s; "
+            "ending the job",
+            code,
+        )
     return code

@@ -11,6 +11,7 @@ the step boundary when due or when a signal asked for it.
 from __future__ import annotations
 
 import copy
+import sys
 import time
 from pathlib import Path
 
@@ -19,12 +20,13 @@ import torch
 
 from rollout_hpc import algos
 from rollout_hpc.backends.trainer import make_trainer, score_tokens
-from rollout_hpc.runtime import batching, checkpointing, sft, step_plan
+from rollout_hpc.runtime import batching, checkpointing, sft, step_plan, watchdog
 from rollout_hpc.runtime.critic import Critic, PolicyAndCritic
 from rollout_hpc.runtime.evaluation import EvalReceiver
 from rollout_hpc.runtime.metrics import MetricsSink, batch_metrics
 from rollout_hpc.runtime.step_plan import StepPlan, informative_groups
 from rollout_hpc.runtime.trackers import attach_trackers
+from rollout_hpc.runtime.world import abort_world
 from rollout_hpc.trajectory import TrajectoryBatch
 
 
@@ -55,11 +57,24 @@ class StepReceiver:
     def _wait_for(self, step: int, prompts) -> None:
         need = len(prompts) * self.G
         while (have := int(self._in(prompts).sum())) < need:
+            # In slices: a stop signal or another rank's hang report ends the wait (watchdog.Interrupted), on
+            # every trainer rank at the same round (the group agrees in the allgather).
+            why = watchdog.interruption()
             if self.world.group_size == 1:
-                new = [self.exchange.get(need - have)]  # blocks until that many more arrived
+                if why is not None:
+                    raise why
+                try:
+                    new = [self.exchange.get(need - have, timeout=watchdog.WAIT_SLICE_S)]
+                except TimeoutError:  # what arrived stays in the exchange for the next call
+                    new = []
             else:
                 mine = self.exchange.get_available(need, timeout=self.poll_s)
-                new = [TrajectoryBatch.unpack(b) for b in self.world.group_comm.allgather(bytes(mine.pack()))]
+                got = self.world.group_comm.allgather((why is not None, bytes(mine.pack())))
+                new = [TrajectoryBatch.unpack(b) for _, b in got]
+                if any(flag for flag, _ in got):
+                    self.pool = TrajectoryBatch.concat([self.pool, *new])
+                    raise why or watchdog.Interrupted("stop", "another trainer rank gave up waiting")
+            watchdog.waiting()
             if not sum(len(b) for b in new) and self.exchange.ended:
                 raise batching.StalenessError(
                     f"step {step}: the generators ended the stream with {have} of the {need} records of prompts "
@@ -100,6 +115,29 @@ def _checkpoint(ckpt, sink, checkpointed, steps_done: int, total: int) -> bool:
         sink.log.flush()
     ckpt.save(checkpointed, steps_done)
     return ckpt.stop_requested and steps_done < total
+
+
+def _stop_waiting(ckpt, sink, checkpointed, steps_done: int, why: watchdog.Interrupted, world) -> int:
+    """The trainers gave up waiting for a step's experience (a stop signal, or a hang on another rank): checkpoint the
+    `steps_done` steps trained (unless that checkpoint exists) and stop. Collective over the trainer group."""
+    have = [c.step for c in ckpt.store.list_checkpoints(ckpt.run_dir)] if world.group_rank == 0 else []
+    if not world.group_comm.bcast(steps_done in have, root=0):
+        if sink is not None:  # the log must hold every step the checkpoint covers
+            sink.log.flush()
+        ckpt.stop_requested = why.stop  # its "saved ...; a resume continues from there" line
+        ckpt.save(checkpointed, steps_done)
+    elif why.stop and world.group_rank == 0:
+        print(
+            f"rollout-hpc: stop requested: the checkpoint after step {steps_done} is saved; a resume continues from there",
+            file=sys.stderr,
+        )
+    if not why.stop:  # a hang: nothing more can be done here
+        if world.group_rank == 0:
+            print(
+                f"rollout-hpc: saved the checkpoint after step {steps_done} before ending the hung job", file=sys.stderr
+            )
+        abort_world(f"hang: {why}; ending the job", watchdog.EXIT_HANG)
+    return checkpointing.EXIT_PREEMPTED
 
 
 class SFTPhase:
@@ -170,6 +208,7 @@ def run_trainer(
     warmup, total = cfg.warmup.sft_steps, cfg.total_steps
     warm = SFTPhase(cfg, world, trainer, tokenizer, run_dir, sink) if start < warmup else None
     exit_code = 0
+    watchdog.beat(start)  # start-up is over: from here a rank that stops making progress is hung
     try:
         if warm and evals and start in warm.eval_points:
             assert sink is not None  # evals and sink: both the logger's
@@ -191,8 +230,13 @@ def run_trainer(
                 if _checkpoint(ckpt, sink, checkpointed, step + 1, total):
                     exit_code = checkpointing.EXIT_PREEMPTED
                     break
+                watchdog.beat(step + 1)
                 continue
-            batch, plan = receiver.get(step - warmup)  # RL steps count their prompts from 0
+            try:
+                batch, plan = receiver.get(step - warmup)  # RL steps count their prompts from 0
+            except watchdog.Interrupted as why:
+                exit_code = _stop_waiting(ckpt, sink, checkpointed, step, why, world)
+                break
             t_got, t_got_wall = time.perf_counter(), time.time()
             batch = batching.sort_by_uid(batch, a.group_size)
             batching.check_complete(batch, step, plan.prompts, a.group_size)
@@ -243,6 +287,7 @@ def run_trainer(
             if _checkpoint(ckpt, sink, checkpointed, step + 1, total):
                 exit_code = checkpointing.EXIT_PREEMPTED
                 break
+            watchdog.beat(step + 1)
         if evals and exit_code == 0:  # the final eval runs on the last step's weights, published above
             assert sink is not None  # evals and sink: both the logger's
             evals.wait_for(sink.log, total, lambda: checkpointing.stop_signalled())
