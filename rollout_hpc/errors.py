@@ -9,8 +9,8 @@ Defined here, and importable from the module that raises them as well: PluginErr
 CheckpointError, CheckpointCorrupt, ConfigMismatch (rollout_hpc.store.checkpoint), TrajectoryLogError
 (rollout_hpc.store.trajlog), WorldError (rollout_hpc.runtime.world), EntryError (rollout_hpc.runtime.entry),
 TaskError (envs.registry), RewardFatal and RewardSpecError (rewards), TrainerError (backends.trainer),
-VLLMUnavailable (backends.generate_vllm). Still defined beside its code (a UserError subclass): CriticError
-(runtime.critic).
+VLLMUnavailable (backends.generate_vllm), ExportError (models.export). Still defined beside its code (a
+UserError subclass): CriticError (runtime.critic).
 """
 
 from __future__ import annotations
@@ -82,3 +82,7 @@ class TrainerError(UserError):
 
 class VLLMUnavailable(ConfigError):
     """generator.backend 'vllm' without vLLM or a GPU; the message says what to do."""
+
+
+class ExportError(UserError):
+    """An export the user can fix: no checkpoint, a damaged one, a bad size or dtype, an existing OUT."""

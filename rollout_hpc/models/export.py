@@ -40,7 +40,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 import rollout_hpc
 from rollout_hpc.config import ModelSection
-from rollout_hpc.errors import UserError
+from rollout_hpc.errors import ExportError
 from rollout_hpc.models.build import tiny_config
 from rollout_hpc.models.tokenizer import CharTokenizer, save_pretrained_tokenizer
 from rollout_hpc.store.checkpoint import (
@@ -63,10 +63,6 @@ _NOT_COPIED = re.compile(
     r"(\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf|onnx)|\.index\.json|^config\.json|"
     r"^generation_config\.json|^" + re.escape(EXPORT_INFO) + r")$"
 )
-
-
-class ExportError(UserError):
-    """An export the user can fix: no checkpoint, a damaged one, a bad size or dtype, an existing OUT."""
 
 
 @dataclass
