@@ -13,7 +13,7 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
-from test_trainer_memory import VOCAB, assert_grads_close, make_cfg, model_for, rl_batch, step_gradients, world  # noqa: F401
+from test_trainer_memory import ALGOS, VOCAB, assert_grads_close, make_cfg, model_for, rl_batch, step_gradients, world  # noqa: F401
 from test_trainers import check_backend, run_backend
 from tiny_hf import make_tiny_qwen
 
@@ -108,17 +108,26 @@ def test_budget_counts_real_tokens():
     assert [len(p) for p in MB.split_micro_batches(attn, max_rows=4, packing=True)] == [4, 4, 2]
 
 
-@pytest.mark.parametrize("name", ["grpo", "ppo"])
-def test_packed_gradients_equal_unpacked(world, name):  # noqa: F811  (the fixture)
-    base = [f"algorithm.name={name}", "algorithm.kl_coef=0.05", "algorithm.entropy_coef=0.01"]
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean"])
+@pytest.mark.parametrize("name", ALGOS)
+def test_packed_gradients_equal_unpacked(world, name, agg):  # noqa: F811  (the fixture)
+    base = [
+        f"algorithm.name={name}",
+        f"algorithm.loss_agg={agg}",
+        "algorithm.kl_coef=0.05",
+        "algorithm.entropy_coef=0.01",
+    ]
     variants = {
         "unpacked": [],
-        "packed": ["trainer.packing=true"],
         "packed budget": ["trainer.packing=true", "trainer.max_tokens_per_microbatch=40"],
-        "packed rows": ["trainer.packing=true", "trainer.micro_batch_size=3", "trainer.gradient_checkpointing=true"],
     }
-    if name == "ppo":
-        variants.pop("packed rows")
+    if (name, agg) == ("grpo", "token_mean"):  # the whole share in one row; a row bound with checkpointing
+        variants["packed"] = ["trainer.packing=true"]
+        variants["packed rows"] = [
+            "trainer.packing=true",
+            "trainer.micro_batch_size=3",
+            "trainer.gradient_checkpointing=true",
+        ]
     results = {}
     for label, extra in variants.items():
         cfg = make_cfg(*base, *extra)
