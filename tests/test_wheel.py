@@ -1,4 +1,5 @@
 """The built wheel works without the checkout and without Rust: it installs into a fresh venv and renders a job.
+And the declared dependencies (pyproject.toml) match what the package and tools/ import.
 
 Builds the wheel with maturin (the one step that needs cargo), installs it with `pip --no-deps` into a new venv
 whose other packages come from this test's environment (a path entry, so the checkout's editable install is not
@@ -9,18 +10,27 @@ ROLLOUT_TEST_WHEEL=PATH tests a wheel built elsewhere instead of building one.
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
 import os
+import re
 import shutil
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
-
-pytestmark = pytest.mark.slow
+# Modules whose distribution is named otherwise and is not installed here (GPU-only packages).
+NOT_INSTALLED_HERE = {"megatron": "megatron-core", "vllm": "vllm"}
+# Packages the code uses through another one's module (torch.utils.tensorboard needs tensorboard).
+IMPORTED_THROUGH = {"torch.utils.tensorboard": "tensorboard"}
+# Extras for the package's own optional features; bench and test serve tools/ and tests/ only.
+PACKAGE_EXTRAS_EXCLUDED = {"bench", "test"}
 
 
 def _maturin() -> str | None:
@@ -57,9 +67,8 @@ def wheel(tmp_path_factory) -> Path:
     return wheels[0]
 
 
+@pytest.mark.slow
 def test_wheel_ships_the_templates(wheel):
-    import zipfile
-
     names = set(zipfile.ZipFile(wheel).namelist())
     for template in ("rollout.sbatch", "directives.j2"):
         shipped = f"rollout_hpc/slurm_templates/{template}"
@@ -68,6 +77,7 @@ def test_wheel_ships_the_templates(wheel):
     assert any(n.startswith("rollout_hpc/_ring") and n.endswith(".so") for n in names)
 
 
+@pytest.mark.slow
 def test_installed_wheel_renders_outside_the_checkout_without_cargo(wheel, tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
@@ -136,3 +146,83 @@ def test_installed_wheel_renders_outside_the_checkout_without_cargo(wheel, tmp_p
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "#SBATCH hetjob" in done.stdout
     assert "python -m rollout_hpc.runtime.entry" in done.stdout or "rollout_hpc.runtime.entry" in done.stdout
+
+
+# --- declared dependencies ------------------------------------------------------------------------------------------
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _declared() -> dict[str, set[str]]:
+    """{"core" or extra name: {normalised distribution names}} from pyproject.toml."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    groups = {"core": project["dependencies"], **project.get("optional-dependencies", {})}
+    return {group: {_normal(re.match(r"[A-Za-z0-9._-]+", r).group()) for r in reqs} for group, reqs in groups.items()}
+
+
+def _third_party_imports(root: Path) -> dict[str, set[str]]:
+    """{top-level module: {files importing it}} for every import under `root` (in functions too) that is neither
+    the standard library nor ours."""
+    local = {p.stem for p in root.glob("*.py")} | {"rollout_hpc", "synthetic_trajectories"}
+    found: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            else:
+                continue
+            tops = {n.split(".")[0] for n in names} | {IMPORTED_THROUGH[n] for n in names if n in IMPORTED_THROUGH}
+            for top in tops - set(sys.stdlib_module_names) - local:
+                found.setdefault(top, set()).add(str(path.relative_to(REPO)))
+    return found
+
+
+def _distributions(module: str) -> set[str]:
+    """The normalised names a module's distribution may be declared under."""
+    installed = importlib.metadata.packages_distributions().get(module, [])
+    return {_normal(d) for d in installed} | {_normal(NOT_INSTALLED_HERE.get(module, module))}
+
+
+def test_every_import_of_the_package_is_declared_and_every_declared_package_imported():
+    declared = _declared()
+    anywhere = set().union(*declared.values())
+    imports = _third_party_imports(REPO / "rollout_hpc")
+    undeclared = {m: sorted(f) for m, f in imports.items() if not _distributions(m) & anywhere}
+    assert not undeclared, f"imported but not in pyproject.toml (dependencies or an extra): {undeclared}"
+    used = set().union(*(_distributions(m) for m in imports))
+    for group, names in declared.items():
+        if group not in PACKAGE_EXTRAS_EXCLUDED:
+            assert names <= used, (
+                f"pyproject.toml [{group}] declares {sorted(names - used)}, which rollout_hpc never imports"
+            )
+    bench_in_package = {m for m in imports if _distributions(m) & declared["bench"]} - {
+        m for m in imports if _distributions(m) & (anywhere - declared["bench"])
+    }
+    assert not bench_in_package, f"the package imports bench-only packages {sorted(bench_in_package)}"
+
+
+def test_tools_import_only_declared_packages():
+    anywhere = set().union(*_declared().values())
+    imports = _third_party_imports(REPO / "tools")
+    undeclared = {m: sorted(f) for m, f in imports.items() if not _distributions(m) & anywhere}
+    assert not undeclared, (
+        f"tools/ imports packages pyproject.toml does not declare (add them to the bench extra): {undeclared}"
+    )
+
+
+def test_what_the_cli_imports_at_start_is_a_core_dependency():
+    # `rollout-hpc --help` imports every command: what it loads of the package's direct imports must come with a
+    # plain `pip install rollout-hpc`, and none of the heavy ones may be among them (the CLI must start fast).
+    probe = "import sys, rollout_hpc.cli as c; c.build_parser(); print(' '.join(sorted(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True, timeout=120)
+    started = {m.split(".")[0] for m in loaded.stdout.split()}
+    direct = set(_third_party_imports(REPO / "rollout_hpc"))
+    core = _declared()["core"]
+    not_core = sorted(m for m in started & direct if not _distributions(m) & core)
+    assert not not_core, f"the CLI imports {not_core} at start, which are not in pyproject.toml [project] dependencies"
+    heavy = sorted(started & {"torch", "transformers", "h5py", "matplotlib", "deepspeed", "vllm"})
+    assert not heavy, f"`rollout-hpc --help` imports {heavy}: import them inside the command that needs them"
