@@ -16,11 +16,13 @@ paths compute padding that the packed one skips.
 
 Each (path, scale) runs in a fresh subprocess: peak RSS (ru_maxrss) is per process. Reported: the peak RSS
 of the process, the part of it the train steps added (peak - RSS after building model and optimizer), and
-samples/s of the timed steps. On a GPU the same figures would be CUDA max allocated; this is the CPU measure.
-The last stdout line is one JSON object; `peak_mem_growth_x16` = peak RSS at x16 / peak RSS at x1 per path.
+samples/s of the timed steps. With --device cuda the model trains on GPU 0 and the memory figures are CUDA max
+allocated (peak, and peak - allocated after building) instead. The last stdout line is one JSON object;
+`peak_mem_growth_x16` = peak memory at x16 / peak memory at x1 per path.
 
-    python tools/bench_trainer.py --quick     # < 1 minute
+    python tools/bench_trainer.py --quick     # < 1 minute on an idle 2-core machine
     python tools/bench_trainer.py             # larger vocabulary and rows, more steps
+    python tools/bench_trainer.py --quick --device cuda
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def child(args) -> None:
         f"model.max_seq_len={args.seq}",
         "algorithm.group_size=4",
         "algorithm.lr=1e-4",
+        f"trainer.gpus_per_task={int(args.device == 'cuda')}",
     ]
     if args.path in ("ours", "packed"):
         over += [f"trainer.max_tokens_per_microbatch={args.rows * args.seq}", "trainer.logprob_chunk_tokens=256"]
@@ -86,19 +89,29 @@ def child(args) -> None:
     }
     batching.add_advantages(cfg, tensors, None, None)
     loss_fn = batching.make_loss_fn(cfg)
-    base_kb = _rss_kb()
+    cuda = args.device == "cuda"
+    if cuda:  # the GPU measure: what torch allocated at most on the device, above the model and optimizer
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base_mb = torch.cuda.memory_allocated() / 2**20
+    else:
+        base_mb = _rss_kb() / 1024
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
         stats = trainer.train_step(tensors, loss_fn, agg=cfg.algorithm.loss_agg)
         times.append(time.perf_counter() - t0)
-    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if cuda:
+        torch.cuda.synchronize()
+        peak_mb = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     timed = times[1:] or times
     print(
         json.dumps(
             {
-                "peak_rss_mb": peak_kb / 1024,
-                "step_extra_mb": (peak_kb - base_kb) / 1024,
+                "peak_mb": peak_mb,
+                "step_extra_mb": peak_mb - base_mb,
                 "samples_per_s": rows / (sum(timed) / len(timed)),
                 "tokens": int(attn.sum()),
                 "micro_batches": int(stats["micro_batches"]),
@@ -126,6 +139,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=None)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: train on GPU 0, measure CUDA max allocated"
+    )
     args = ap.parse_args()
     args.rows = args.rows or 4
     args.seq = args.seq or (128 if args.quick else 256)
@@ -134,7 +150,13 @@ def main() -> None:
     if args.child:
         child(args)
         return
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("bench_trainer: --device cuda, but no CUDA device is visible here; use --device cpu")
     results: dict[str, dict[int, dict]] = {"ours": {}, "packed": {}, "unsplit": {}}
+    measure = "CUDA max alloc" if args.device == "cuda" else "peak RSS"
     print(
         f"per-rank batch x1 = {args.rows} rows x {args.seq} tokens, vocab {args.vocab}, hidden {args.hidden}, "
         f"{args.steps} step(s) per measurement; ours and packed: max_tokens_per_microbatch {args.rows * args.seq}, "
@@ -142,7 +164,7 @@ def main() -> None:
         flush=True,
     )
     print(
-        f"{'path':8} {'scale':>5} {'tokens':>7} {'micro':>5} {'peak RSS MB':>12} {'step extra MB':>14} {'samples/s':>10}",
+        f"{'path':8} {'scale':>5} {'tokens':>7} {'micro':>5} {measure + ' MB':>12} {'step extra MB':>14} {'samples/s':>10}",
         flush=True,
     )
     for path in results:
@@ -165,6 +187,8 @@ def main() -> None:
                 str(args.hidden),
                 "--steps",
                 str(args.steps),
+                "--device",
+                args.device,
             ]
             out = subprocess.run(
                 cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}
@@ -174,17 +198,17 @@ def main() -> None:
             r = json.loads(out.stdout.strip().splitlines()[-1])
             results[path][scale] = r
             print(
-                f"{path:8} {f'x{scale}':>5} {r['tokens']:>7} {r['micro_batches']:>5} {r['peak_rss_mb']:>12.0f} "
+                f"{path:8} {f'x{scale}':>5} {r['tokens']:>7} {r['micro_batches']:>5} {r['peak_mb']:>12.0f} "
                 f"{r['step_extra_mb']:>14.0f} "
                 f"{r['samples_per_s']:>10.1f}",
                 flush=True,
             )
-    summary = {"quick": args.quick, "rows_x1": args.rows, "seq": args.seq, "vocab": args.vocab}
+    summary = {"quick": args.quick, "rows_x1": args.rows, "seq": args.seq, "vocab": args.vocab, "memory": measure}
     for path, by in results.items():
         summary[path] = {
-            "peak_mem_growth_x16": by[16]["peak_rss_mb"] / by[1]["peak_rss_mb"],
+            "peak_mem_growth_x16": by[16]["peak_mb"] / by[1]["peak_mb"],
             "step_mem_growth_x16": by[16]["step_extra_mb"] / max(by[1]["step_extra_mb"], 1.0),
-            "peak_rss_mb": {f"x{s}": round(r["peak_rss_mb"], 1) for s, r in by.items()},
+            "peak_mb": {f"x{s}": round(r["peak_mb"], 1) for s, r in by.items()},
             "samples_per_s": {f"x{s}": round(r["samples_per_s"], 2) for s, r in by.items()},
             "micro_batches": {f"x{s}": r["micro_batches"] for s, r in by.items()},
         }
