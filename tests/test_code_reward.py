@@ -29,7 +29,7 @@ from test_resume_local import cli
 from tiny_hf import make_tiny_qwen
 
 from rollout_hpc.envs.registry import load_task
-from rollout_hpc.errors import RewardSpecError, UserError
+from rollout_hpc.errors import RewardFatal, RewardSpecError, UserError
 from rollout_hpc.rewards import REWARD_ERROR, REWARD_OK, REWARD_TIMEOUT, RewardPool, builtin_reward
 from rollout_hpc.rewards.code_sandbox import (
     CodeLimits,
@@ -308,8 +308,34 @@ def test_a_reward_pool_counts_hostile_samples_as_errors_and_goes_on(tmp_path, li
     hostile = results[2:-1]
     assert all(r.status == REWARD_ERROR and r.value == 0.0 for r in hostile), [r.error for r in hostile]
     assert all(r.error and r.error.startswith("CodeSandboxError: test 1 of 2") for r in hostile)
+    assert all(r.sample_fault for r in hostile) and not any(r.sample_fault for r in results[:2])
     assert stats["errors"] == len(hostile) and stats["worker_deaths"] == 0 and stats["timeouts"] == 0
     assert processes_of(sandbox_uid()) == [] and listener.accepted == 0
+
+
+def test_violations_do_not_look_like_a_broken_reward(tmp_path):
+    """The generators end a run whose reward raises on many samples in a row (it would train on nothing); a policy
+    that writes nothing but hostile programs is not that: sandbox violations are the samples' fault. Unreadable
+    test cases are the reward's (the data's) and do count."""
+    from rollout_hpc.runtime.generator_loop import RewardWorkers  # imports torch: only this test needs it
+
+    rows = [{"prompt": "p", "answer": "assert True"}, {"prompt": "q", "answer": '{"inputs": ["1"], "outputs": []}'}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    task_cfg = {
+        "name": "dataset",
+        "reward": "code",
+        "params": {"train": str(tmp_path / "train.parquet"), "shuffle": False},
+    }
+    with RewardPool("rollout_hpc.envs.scoring:task_scorer", (task_cfg, 0, None), n_workers=2, timeout_s=20) as pool:
+        workers = RewardWorkers(None, pool)
+        workers.ERROR_STREAK_FATAL = 3
+        try:
+            violations = workers.score([(("train", 0), fenced("import sys\nsys.exit(0)\n"))] * 4)
+            assert [(r.status, r.sample_fault) for r in violations] == [(REWARD_ERROR, True)] * 4
+            with pytest.raises(RewardFatal, match="3 samples in a row.*CodeTestsError"):
+                workers.score([(("train", 1), fenced("x = 1\n"))] * 3)
+        finally:
+            workers.queue.put(None)  # ends its sender thread
 
 
 def test_a_reward_worker_killed_mid_sample_takes_its_sandbox_with_it(tmp_path):

@@ -44,7 +44,11 @@ _CALL_MARKER = "@@rollout-hpc-call-result@@"
 
 
 class CodeSandboxError(Exception):
-    """The program broke a sandbox rule or the sandbox failed: the sample scores 0 and counts as a reward error."""
+    """The program broke a sandbox rule or the sandbox failed: the sample scores 0 and counts as a reward error.
+    The sample's fault, not the reward's: RewardPool marks its result `sample_fault`, so a policy that writes
+    nothing but infinite loops does not look like a broken reward to the generators."""
+
+    sample_fault = True
 
 
 class CodeTestsError(ValueError):

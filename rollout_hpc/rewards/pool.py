@@ -38,7 +38,7 @@ from rollout_hpc.errors import RewardFatal
 from rollout_hpc.rewards import REWARD_ERROR, REWARD_OK, REWARD_TIMEOUT
 
 _HEADER = struct.Struct("<I")
-_MSG_OK, _MSG_ERROR, _MSG_BAD = 0, 1, 3
+_MSG_OK, _MSG_ERROR, _MSG_BAD, _MSG_SAMPLE_ERROR = 0, 1, 3, 4
 _MAX_CHUNK = 32
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -48,6 +48,8 @@ class RewardResult:
     value: float  # 0.0 when status != REWARD_OK
     status: int  # REWARD_OK, REWARD_ERROR, REWARD_TIMEOUT
     error: str | None = None  # one line: "TypeName: message", "timed out after Xs", "worker died (exit code N)"
+    sample_fault: bool = False  # ERROR raised by an exception marked `sample_fault = True`: the sample broke a rule
+    # (a code reward's sandbox violation), the reward itself works
 
     @property
     def ok(self) -> bool:
@@ -419,8 +421,8 @@ class RewardPool:
                 raise self._fatal(self._bad_value(f"{payload}", "a reward must be finite", jobs[job_id]))
             results[job_id] = RewardResult(payload, REWARD_OK, None)
             self._counts["ok"] += 1
-        elif status == _MSG_ERROR:
-            results[job_id] = RewardResult(0.0, REWARD_ERROR, payload)
+        elif status in (_MSG_ERROR, _MSG_SAMPLE_ERROR):
+            results[job_id] = RewardResult(0.0, REWARD_ERROR, payload, status == _MSG_SAMPLE_ERROR)
             self._counts["errors"] += 1
         else:
             raise self._fatal(self._bad_value(payload, "a reward must be a float", jobs[job_id]))

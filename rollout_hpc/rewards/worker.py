@@ -5,7 +5,8 @@ Protocol on stdin/stdout, each message a 4-byte little-endian length and a pickl
                     then ("jobs", [(job_id, key, text), ...]) per chunk
   worker -> parent: ("ready", pid) or ("fatal", message, is_plugin_error) after init;
                     then one (job_id, status, payload) per job, written as soon as the job is done (the parent
-                    times each job from the previous answer): status OK: payload float; ERROR: "TypeName: message";
+                    times each job from the previous answer): status OK: payload float; ERROR (SAMPLE_ERROR when
+                    the exception class has `sample_fault = True`): "TypeName: message";
                     BAD: "TypeName repr" (not a number).
 The worker exits on end of input, and within 0.5 s of its parent's death (even in a hung job). It imports only the
 standard library until the factory imports what it needs: start-up is one bare interpreter (tens of ms). User code
@@ -30,6 +31,7 @@ from typing import cast
 MSG_OK = 0
 MSG_ERROR = 1
 MSG_BAD = 3
+MSG_SAMPLE_ERROR = 4  # the exception says the sample is at fault (`sample_fault = True`), not the reward
 _HEADER = struct.Struct("<I")
 
 
@@ -96,7 +98,7 @@ def _result(job_id, fn, key, text):
     try:
         value = fn(key, text)
     except BaseException as exc:  # noqa: BLE001 - a reward's failure is the job's result, not the worker's
-        return job_id, MSG_ERROR, one_line(exc)
+        return job_id, MSG_SAMPLE_ERROR if getattr(exc, "sample_fault", False) is True else MSG_ERROR, one_line(exc)
     if type(value) is float:
         return job_id, MSG_OK, value
     if isinstance(value, numbers.Real) and not isinstance(value, bool):

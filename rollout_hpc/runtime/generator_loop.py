@@ -58,7 +58,7 @@ class RewardWorkers:
             for r in results:
                 if r.status == REWARD_OK:
                     self.error_streak = 0
-                elif r.status == REWARD_ERROR:  # a timeout says nothing about the reward's code: neither
+                elif r.status == REWARD_ERROR and not r.sample_fault:  # timeouts, sandbox violations: neither
                     self.error_streak += 1
                     if self.error_streak >= self.ERROR_STREAK_FATAL:
                         raise RewardFatal(
