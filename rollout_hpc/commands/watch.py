@@ -21,7 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rollout_hpc.commands import out
-from rollout_hpc.config import load_config
+from rollout_hpc.config import UserError, load_config
 from rollout_hpc.launch import rundir
 from rollout_hpc.launch.status import ENDED, job_states, local_state
 from rollout_hpc.rundir_layout import RESOLVED_CONFIG
@@ -78,7 +78,7 @@ def time_left(job_id: str) -> str | None:
 
 def frame(run_dir: Path, manifest: dict, job: tuple[str, bool, str | None, int]) -> Panel:
     from rollout_hpc.store.checkpoint import list_checkpoints  # in here: h5py (the CLI imports every command)
-    from rollout_hpc.store.trajlog import TrajectoryReader, log_path
+    from rollout_hpc.store.trajlog import TrajectoryLogError, TrajectoryReader, log_path
 
     state, ended, job_id, requeues = job
     cfg = load_config(run_dir / RESOLVED_CONFIG, [])
@@ -86,14 +86,17 @@ def frame(run_dir: Path, manifest: dict, job: tuple[str, bool, str | None, int])
     rows = Table.grid(padding=(0, 2))
     rows.add_column(style="bold")
     rows.add_column()
+    metrics: dict[str, np.ndarray] = {}
+    evals: dict[str, np.ndarray] = {}
+    status = ""
     if not log_path(run_dir).is_file():
         rows.add_row("log", "no trajectories.h5 yet (the job has not started training)")
-        metrics: dict[str, np.ndarray] = {}
-        evals: dict[str, np.ndarray] = {}
-        status = ""
     else:
-        with TrajectoryReader(run_dir) as reader:
-            metrics, evals, status = reader.metrics(), reader.eval_metrics(), reader.status_line()
+        try:
+            with TrajectoryReader(run_dir) as reader:
+                metrics, evals, status = reader.metrics(), reader.eval_metrics(), reader.status_line()
+        except (TrajectoryLogError, KeyError, OSError) as exc:  # caught while the trainer creates it: read it next time
+            rows.add_row("log", f"{exc} (read again in the next frame)")
     steps = metrics.get("step", np.zeros(0))
     done = int(steps[-1]) + 1 if len(steps) else 0
     line = f"step {done}/{total}"
@@ -137,6 +140,8 @@ def frame(run_dir: Path, manifest: dict, job: tuple[str, bool, str | None, int])
 
 def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
+    if args.interval <= 0:
+        raise UserError(f"--interval {args.interval}: give a number of seconds above 0 (e.g. --interval 5)")
     manifest = rundir.read_manifest(run_dir)
 
     def render() -> tuple[Panel, bool]:

@@ -36,7 +36,7 @@ from typing import Any
 from rollout_hpc.store.atomic import write_text_atomic
 from rollout_hpc.store.trajlog import log_path, read_eval, read_metrics
 
-STATE_FILE = "trackers.json"  # RUN_DIR/trackers.json: tracker run ids and what was logged (atomic rewrites)
+STATE_FILE = "trackers.json"  # RUN_DIR/trackers.json: the tracker runs' ids, for the next allocation (atomic)
 FLUSH_TIMEOUT_S = 30.0  # the longest a checkpoint waits for the trackers to take the rows it covers
 CLOSE_TIMEOUT_S = 120.0  # the longest the end of the run waits for trackers to finish (wandb uploads, ...)
 
@@ -278,7 +278,12 @@ class Trackers:
         self.path = self.run_dir / STATE_FILE
         saved = json.loads(self.path.read_text()) if self.path.is_file() else {}
         self.trackers = [TRACKERS[name](cfg, self.run_dir, saved.get(name, {})) for name in cfg.logging.trackers]
-        self.backfill = logged_rows(self.run_dir, steps_done) if saved and steps_done else []
+        # a resumed run: the log rows before the checkpoint, for what a tracker lost (or all, for one added now)
+        try:
+            self.backfill = logged_rows(self.run_dir, steps_done) if steps_done else []
+        except Exception as exc:  # never stops training: the trackers just miss what they lost
+            print(f"warning: trackers get no backfill from the log ({exc})", file=sys.stderr, flush=True)
+            self.backfill = []
         self.queue: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._work, name="trackers", daemon=True)
         self.thread.start()
@@ -318,7 +323,6 @@ class Trackers:
                         self._call(tracker, "cannot be flushed", tracker.flush)
                     else:
                         self._call(tracker, "cannot be closed", tracker.close)
-            self._save()
             for kind, _, payload in items:
                 if kind in ("flush", "close"):
                     payload.set()
@@ -326,7 +330,7 @@ class Trackers:
                     return
 
     def _save(self) -> None:
-        """RUN_DIR/trackers.json: each tracker's run id and marks, kept for the next allocation."""
+        """RUN_DIR/trackers.json: each open tracker's run id, kept for the next allocation."""
         try:
             saved = json.loads(self.path.read_text()) if self.path.is_file() else {}
             saved.update({t.name: t.state for t in self.trackers})
