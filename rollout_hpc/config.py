@@ -696,12 +696,22 @@ def _key_lines(node: yaml.Node, prefix: tuple = ()) -> dict[tuple, int]:
     return lines
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """'a.b.c=value' -> (['a','b','c'], value parsed as YAML, so 3 is int and [x] a list)."""
+def _key_path(key: str) -> list[str | int]:
+    """'task.params.train[1].path' (or 'task.params.train.1.path') -> ['task', 'params', 'train', 1, 'path']."""
+    path: list[str | int] = []
+    for part in key.strip().split("."):
+        for name, index in re.findall(r"([^\[\]]+)|\[(\d+)\]", part):
+            path.append(int(index) if index else int(name) if name.isdigit() else name)
+    return path
+
+
+def parse_override(text: str) -> tuple[list[str | int], Any]:
+    """'a.b.c=value' -> (['a','b','c'], value parsed as YAML, so 3 is int and [x] a list); a list item is
+    addressed by its index: 'task.params.train[1].path=...' (or 'train.1.path')."""
     if "=" not in text:
         raise ConfigError(f"--set '{text}': expected KEY.PATH=VALUE, e.g. --set algorithm.steps=5")
     key, _, raw = text.partition("=")
-    path = [p for p in key.strip().split(".") if p]
+    path = _key_path(key)
     if not path:
         raise ConfigError(f"--set '{text}': the key is empty; write e.g. --set run.seed=3")
     try:
@@ -714,15 +724,25 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     for text in overrides:
         path, value = parse_override(text)
-        node = data
-        for part in path[:-1]:
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(f"--set '{text}': '{part}' is not a section, so it has no key '{path[-1]}'")
-            node = child
-        node[path[-1]] = value
+        node: Any = data
+        for depth, part in enumerate(path):
+            last = depth == len(path) - 1
+            if isinstance(part, int):
+                if not isinstance(node, list):
+                    raise ConfigError(f"--set '{text}': '{path[depth - 1]}' is not a list, so it has no item [{part}]")
+                if not 0 <= part < len(node):
+                    raise ConfigError(
+                        f"--set '{text}': '{path[depth - 1]}' has {len(node)} item(s), so no item [{part}] "
+                        f"(items count from 0)"
+                    )
+            elif not isinstance(node, dict):
+                raise ConfigError(f"--set '{text}': '{path[depth - 1]}' is not a section, so it has no key '{part}'")
+            if last:
+                node[part] = value
+            else:
+                if isinstance(part, str) and node.get(part) is None:
+                    node[part] = {}
+                node = node[part]
     return data
 
 
