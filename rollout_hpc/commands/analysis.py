@@ -11,8 +11,10 @@ imports every command module at start (`rollout-hpc --help` must stay fast).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.table import Table
@@ -169,6 +171,25 @@ def _print_provenance(directory: Path, p: dict) -> None:
         out.print(f"  {label:<22} {value}")
 
 
+def _salvaging(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Runs the command again, once, when reading found a damaged chunk in the log's data: the second run
+    reads every step before the damage (store.trajlog.TrajectoryReader) and warns once."""
+
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        from rollout_hpc.store.trajlog import TrajectoryLogDamaged  # in here: h5py
+
+        try:
+            return command(args)
+        except TrajectoryLogDamaged as exc:
+            if not exc.found_while_reading:
+                raise
+            return command(args)
+
+    return run
+
+
+@_salvaging
 def cmd_analyze(args: argparse.Namespace) -> int:
     from rollout_hpc.analysis.summary import summarize  # in here: h5py; the CLI imports every command at start
 
@@ -191,6 +212,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+@_salvaging
 def cmd_plot(args: argparse.Namespace) -> int:
     from rollout_hpc.analysis.figures import write_run_figures  # in here: matplotlib, h5py (slow to import)
     from rollout_hpc.analysis.summary import analyze_run
@@ -202,6 +224,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+@_salvaging
 def cmd_samples(args: argparse.Namespace) -> int:
     from rollout_hpc.analysis.samples import last_step, load_decoder, load_samples, render_sample, select_rows  # h5py
     from rollout_hpc.store.trajlog import TrajectoryReader, log_path
@@ -222,6 +245,7 @@ def cmd_samples(args: argparse.Namespace) -> int:
     return 0
 
 
+@_salvaging
 def cmd_export(args: argparse.Namespace) -> int:
     from rollout_hpc.analysis.export import export_run  # in here: h5py, pyarrow (slow to import)
 
@@ -231,6 +255,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+@_salvaging
 def cmd_compare(args: argparse.Namespace) -> int:
     from rollout_hpc.analysis.figures import compare_figure, save_figure  # in here: matplotlib, h5py (slow to import)
     from rollout_hpc.analysis.summary import analyze_run
@@ -249,6 +274,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+@_salvaging
 def cmd_report(args: argparse.Namespace) -> int:
     from rollout_hpc.analysis.report import write_report  # in here: matplotlib, h5py (slow to import)
 

@@ -151,7 +151,19 @@ def plan_resume(
         plan.config_changes = check_compatible(meta, cfg, force=force)
     except UserError as exc:
         raise UserError(f"cannot resume from {info.path.name}: {exc}") from None
+    if not dry_run:
+        plan.damaged += repair_damaged_log(run_dir, plan.step)
     return plan
+
+
+def repair_damaged_log(run_dir: Path, steps_done: int) -> list[str]:
+    """A damaged trajectory log (every chunk is read to find out) is kept aside and replaced by its readable
+    steps; one line says what is lost. The ranks check it again when they open it (store.trajlog)."""
+    from rollout_hpc.store.trajlog import repair_log, repair_message  # in here: h5py; the CLI must start fast
+
+    log = run_dir / TRAJECTORY_LOG
+    repaired = repair_log(log, resume_step=steps_done - 1, verify=True)
+    return [repair_message(log, repaired)] if repaired else []
 
 
 def apply_plan(plan: ResumePlan, launcher: str) -> None:

@@ -23,7 +23,9 @@ truncates every dataset to the last consistent committed row.
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -34,9 +36,20 @@ import h5py
 import numpy as np
 
 from rollout_hpc.errors import TrajectoryLogError
-from rollout_hpc.store.h5recover import clear_consistency_flags, consistency_flags
+from rollout_hpc.store import atomic
+from rollout_hpc.store.h5recover import (
+    READ_ERRORS,
+    clear_consistency_flags,
+    consistency_flags,
+    first_unreadable,
+    open_swmr_reader,
+    stored_eof,
+    superblock_damage,
+)
 from rollout_hpc.trajectory import FIXED_DTYPE, FIXED_NAMES, RAGGED, TrajectoryBatch
 from rollout_hpc.trajectory import LAYOUT_VERSION as RECORD_LAYOUT
+
+log = logging.getLogger("rollout_hpc.store.trajlog")
 
 FORMAT = "rollout-hpc-trajectories"
 LOG_LAYOUT_VERSION = 1
@@ -178,8 +191,14 @@ class TrajectoryLog:
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = _WriterLock(path)
         try:
+            # A damaged log (truncated, overwritten) is set aside and its readable steps continued.
+            repaired = repair_log(path, resume_step, verify=False)
+            if repaired:
+                log.warning("warning: %s", repair_message(path, repaired))
             if path.exists() and path.stat().st_size > 0:
                 f, reconciled = cls._reopen(path, resume_step)
+                if repaired:
+                    reconciled["repaired"] = repaired
             else:
                 f, reconciled = (
                     cls._create(path, meta or {}, DEFAULT_COMPRESSION if compression is None else compression),
@@ -503,39 +522,191 @@ def _filters_like(ds: h5py.Dataset) -> dict:
     return {"compression": ds.compression, "compression_opts": ds.compression_opts, "shuffle": ds.shuffle}
 
 
-class TrajectoryReader:
-    """Reads a trajectory log, also while its writer appends (SWMR) or after the writer was killed."""
+class TrajectoryLogDamaged(TrajectoryLogError):
+    """Part of a trajectory log cannot be read: truncated, overwritten, or bytes flipped."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: Path, reason: str, found_while_reading: bool = False) -> None:
+        self.path, self.reason, self.found_while_reading = path, reason, found_while_reading
+        if found_while_reading:
+            text = f"{reason} (found while reading it: the rows before the damage can still be read)"
+        else:
+            text = (
+                f"{path} is damaged beyond reading ({reason}); nothing in it can be salvaged. "
+                f"`rollout-hpc resume` keeps it aside and starts a new log"
+            )
+        super().__init__(text)
+
+
+# Files (path, size, mtime) a reader found damaged in the middle of their data: later readers in this
+# process scan them in full when they open them (commands.analysis runs a command again on such a file).
+_READ_IN_FULL: set[tuple[str, int, int]] = set()
+_WARNED: set[str] = set()
+
+
+def _file_identity(path: Path) -> tuple[str, int, int]:
+    st = path.stat()
+    return (str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+def _damage_checked(method):
+    """A data read that fails (a chunk that does not decompress) raises TrajectoryLogDamaged naming the file."""
+
+    @functools.wraps(method)
+    def read(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except OSError:
+            raise self._damage_found_while_reading() from None
+
+    return read
+
+
+def _extent_rows(f: h5py.File) -> tuple[int, int, int]:
+    """_consistent_rows without reading the offsets (one of them is damaged)."""
+    traj = f["traj"]
+    committed, metric_committed = (int(x) for x in f["progress"][:2])
+    extents = [traj[n].shape[0] for n in _row_columns(f)] + [traj[o].shape[0] - 1 for o in OFFSETS.values()]
+    return min([committed] + extents), max(extents + [committed]), min(metric_committed, f["metrics/values"].shape[0])
+
+
+def _readable_extent(group: h5py.Group, name: str, extent: int, read: bool) -> int:
+    try:
+        return first_unreadable(group[name], extent, read)
+    except READ_ERRORS:  # its object header is unreadable
+        return 0
+
+
+def _salvageable(
+    f: h5py.File, rows: int, metric_rows: int, eval_rows: int, read: bool
+) -> tuple[int, int, int, int | None, str] | None:
+    """None if every committed row, metric row and eval row can be read; else (rows, metric rows, eval rows that
+    can: the complete steps before the damage; the first step lost (None: only eval rows are); the first dataset
+    found damaged). read=False checks the chunk index only (finds a truncation), read=True decompresses it all."""
+    traj = f["traj"]
+    damaged: list[str] = []
+
+    def limit(current: int, group: h5py.Group, name: str, extent: int) -> int:
+        good = _readable_extent(group, name, extent, read)
+        if good < extent:
+            damaged.append(f"{group.name}/{name}")
+        return min(current, good)
+
+    ok = rows
+    for name in _row_columns(f):
+        ok = limit(ok, traj, name, rows)
+    for offsets_name in OFFSETS.values():  # row r needs offsets r and r + 1
+        ok = max(0, limit(ok + 1, traj, offsets_name, rows + 1) - 1)
+    for length_field, offsets_name in OFFSETS.items():  # and its slice of the flat arrays
+        offsets = traj[offsets_name][: ok + 1] if ok else np.zeros(1, np.int64)
+        for name, _, lf in RAGGED:
+            if lf == length_field:
+                end = int(offsets[ok])
+                good = limit(end, traj, name, end)
+                if good < end:
+                    ok = int(np.searchsorted(offsets, good, side="right")) - 1
+    metric_ok = limit(metric_rows, f["metrics"], "values", metric_rows)
+    eval_ok = limit(eval_rows, f["eval"], "values", eval_rows) if "eval" in f else eval_rows
+    if not damaged:
+        return None
+    values = f["metrics/values"]
+    lost: list[int] = []
+    steps = traj["step"][:ok]
+    if ok < rows:  # the first lost row's step; unknown: the last readable step may be incomplete
+        try:
+            lost.append(int(traj["step"][ok]))
+        except READ_ERRORS:
+            lost.append(int(steps[-1]) if ok else 0)
+    if metric_ok < metric_rows:  # one metric row per step: the lost one is the next step
+        lost.append(int(values[metric_ok - 1, 0]) + 1 if metric_ok else 0)
+    lost_from = min(lost) if lost else None
+    if lost_from is not None:
+        ok = int(np.searchsorted(steps, lost_from, side="left"))
+        metric_ok = int(np.count_nonzero(values[:metric_ok, 0] < lost_from))
+    return ok, metric_ok, eval_ok, lost_from, f"unreadable data in {damaged[0]}"
+
+
+class TrajectoryReader:
+    """Reads a trajectory log, also while its writer appends (SWMR) or after the writer was killed.
+
+    A damaged log (truncated, overwritten, flipped bytes) is read up to the damage: every complete step before
+    it, with one warning naming the file and the step from which data is lost (`damage`, `lost_from_step`).
+    verify=True decompresses every chunk on opening, to find damage anywhere (repair_log does)."""
+
+    def __init__(self, path: str | Path, verify: bool = False, warn: bool = True) -> None:
         self.path = log_path(path)
         if not self.path.is_file():
             raise TrajectoryLogError(
                 f"{self.path}: no trajectory log here (expected RUN_DIR/{LOG_NAME} or the path of one)"
             )
-        if not h5py.is_hdf5(self.path):
-            raise TrajectoryLogError(f"{self.path} is not an HDF5 file, so not a rollout-hpc trajectory log")
+        if reason := superblock_damage(self.path):
+            raise TrajectoryLogDamaged(self.path, reason)
+        self.verify, self.warn = verify, warn
+        self.damage: str | None = None  # the warning when part of the log is unreadable (see _salvage)
+        self.lost_from_step: int | None = None
         try:
             # No file lock: a reader (say a long-lived monitor) must never stop a restarted job's writer
             # from reopening the log; SWMR reading needs no lock.
-            self._f = h5py.File(self.path, "r", libver="latest", swmr=True, locking=False)
+            self._f = open_swmr_reader(self.path)
         except OSError as exc:
-            raise TrajectoryLogError(f"{self.path}: cannot be opened ({str(exc).splitlines()[0]})") from None
+            raise TrajectoryLogDamaged(self.path, f"cannot be opened: {str(exc).splitlines()[0]}") from None
         try:
             _check_format(self._f, self.path)
+            self.meta = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in self._f.attrs.items()}
+            self.refresh()
+        except READ_ERRORS as exc:
+            self._f.close()
+            raise TrajectoryLogDamaged(self.path, f"its layout is unreadable: {str(exc).splitlines()[0]}") from None
         except TrajectoryLogError:
             self._f.close()
             raise
-        self.meta = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in self._f.attrs.items()}
-        self.refresh()
 
     def refresh(self) -> None:
         """Pick up rows the writer committed since the last look."""
         for ds in self._datasets():
             ds.refresh()
-        self.rows, most, self.metric_rows = _consistent_rows(self._f)
+        try:
+            self.rows, most, self.metric_rows = _consistent_rows(self._f)
+        except READ_ERRORS:  # an offsets chunk is damaged: _salvage finds how far the rows can be read
+            self.rows, most, self.metric_rows = _extent_rows(self._f)
         self.eval_rows = _eval_rows(self._f)
         self.cut_rows = most - self.rows  # rows written but not committed: in flight, or lost with a killed writer
         self.closed_cleanly = bool(self._f["progress"][2])
+        self._salvage()
+
+    def _salvage(self) -> None:
+        """Clamp rows, metric rows and eval rows to what can be read (every complete step before any damage);
+        warn once, naming the file and the step from which data is lost."""
+        read = self.verify or _file_identity(self.path) in _READ_IN_FULL
+        found = _salvageable(self._f, self.rows, self.metric_rows, self.eval_rows, read)
+        if found is None:
+            return
+        self.rows, self.metric_rows, self.eval_rows, self.lost_from_step, where = found
+        if stored := stored_eof(self.path):
+            size = self.path.stat().st_size
+            if size < stored:
+                where = f"truncated: {size} of {stored} bytes"
+        if self.lost_from_step is None:
+            lost = f"the eval rows from eval {self.eval_rows + 1} on are lost"
+        elif self.rows == 0 and self.metric_rows == 0:
+            lost = "none of its steps can be read"
+        else:
+            lost = f"reading steps before {self.lost_from_step}; data from step {self.lost_from_step} on is lost"
+        damage = f"{self.path} is damaged ({where}): {lost}"
+        self.damage = damage
+        if self.warn and damage not in _WARNED:  # once per process, however many readers a command opens
+            _WARNED.add(damage)
+            log.warning("warning: %s", damage)
+
+    def _damage_found_while_reading(self) -> TrajectoryLogDamaged:
+        """A chunk failed to decompress (flipped or zeroed bytes): scan the whole file, and make every later
+        reader of this file do so too (the caller runs again: commands.analysis)."""
+        _READ_IN_FULL.add(_file_identity(self.path))
+        self.verify = True
+        try:
+            self._salvage()
+        except READ_ERRORS:
+            pass
+        return TrajectoryLogDamaged(self.path, self.damage or "unreadable data", found_while_reading=True)
 
     def _datasets(self) -> Iterator[h5py.Dataset]:
         yield self._f["progress"]
@@ -548,6 +719,7 @@ class TrajectoryReader:
                 yield ds
 
     @property
+    @_damage_checked
     def n_tokens(self) -> int:
         traj = self._f["traj"]
         return int(traj["prompt_offsets"][self.rows]) + int(traj["response_offsets"][self.rows])
@@ -563,6 +735,7 @@ class TrajectoryReader:
         """Whether the file stores column `name` (a log older than a FIXED_DTYPE field reads it as zeros)."""
         return name in self._f["traj"]
 
+    @_damage_checked
     def _read(self, name: str, lo: int, hi: int) -> np.ndarray:
         traj = self._f["traj"]
         if name in traj:
@@ -587,6 +760,7 @@ class TrajectoryReader:
             chunk["row"] = np.arange(lo, hi, dtype=np.int64)
             yield chunk
 
+    @_damage_checked
     def batch(self, rows) -> TrajectoryBatch:
         """Rows (a slice or indices) as a TrajectoryBatch; columns `step`/`staleness` are in .column()."""
         if isinstance(rows, slice):
@@ -614,6 +788,7 @@ class TrajectoryReader:
                 parts[name] = np.concatenate(pieces) if pieces else np.zeros(0, dtype)
         return TrajectoryBatch(fixed, **parts)
 
+    @_damage_checked
     def ragged_chunk(self, name: str, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """(offsets from 0, n+1 entries; flat values) of ragged array `name` for rows [lo, hi)."""
         length_field = {n: lf for n, _, lf in RAGGED}[name]
@@ -625,6 +800,7 @@ class TrajectoryReader:
         names = [c.decode() for c in self._f["metrics/columns"][:]]
         return names[: self._f["metrics/values"].shape[1]]
 
+    @_damage_checked
     def metrics(self, dedupe: bool = True) -> dict[str, np.ndarray]:
         """The per-step table as {column: float64 array} (NaN where a step did not report a metric).
         dedupe: a step logged twice (a resume that replayed it) keeps its last row; rows sorted by step."""
@@ -641,6 +817,7 @@ class TrajectoryReader:
         names = [c.decode() for c in self._f["eval/columns"][:]]
         return names[: self._f["eval/values"].shape[1]]
 
+    @_damage_checked
     def eval_metrics(self, dedupe: bool = True) -> dict[str, np.ndarray]:
         """The eval table as {column: float64 array}, one entry per eval (NaN where an eval did not report
         a metric); {} when the log has no eval rows (or predates the eval table). dedupe: a step evaluated
@@ -687,3 +864,119 @@ def read_meta(reader: TrajectoryReader) -> dict[str, Any]:
     meta = json.loads(reader.meta.get("meta_json", "{}"))
     meta.update({k: v for k, v in reader.meta.items() if k != "meta_json"})
     return meta
+
+
+# --- repairing a damaged log (resume) ----------------------------------------------------------------------
+
+COPY_ELEMENTS = 1 << 20  # elements per read when copying a log's readable prefix (bounded memory)
+
+
+def repair_log(path: str | Path, resume_step: int | None = None, verify: bool = True) -> dict | None:
+    """If the log is damaged: keep it aside as trajectories.damaged-<time>.h5 and put in its place a log of
+    what can be read of it (every complete step before the damage); None if it is not damaged (or absent).
+
+    Returns {damage, kept_as, steps_kept (first, last) | None, rows_kept, lost (first, last) | None}: `lost`
+    are the steps up to `resume_step` (the checkpoint's last step) whose log rows are gone. They were trained
+    on, so they are not redone and cannot be logged again; steps after resume_step are redone and logged by
+    the resumed run (reopening cuts the log back to resume_step). The caller holds the writer lock or knows
+    no writer is alive. verify=False checks only the structure (finds a truncation; cheap on the ranks)."""
+    path = log_path(path)
+    if not path.is_file() or path.stat().st_size == 0:
+        return None
+    try:
+        reader: TrajectoryReader | None = TrajectoryReader(path, verify=verify, warn=False)
+    except TrajectoryLogDamaged as exc:
+        reader, damage = None, exc.reason
+    if reader is not None:
+        if reader.damage is None:
+            reader.close()
+            return None
+        damage = reader.damage.split(" is damaged (", 1)[1].split("): ", 1)[0]
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    aside = path.with_name(f"trajectories.damaged-{stamp}.h5")
+    report: dict[str, Any] = {"damage": damage, "kept_as": aside.name, "rows_kept": 0, "steps_kept": None}
+    tmp = atomic.temp_path(path)
+    first_lost = 0
+    if reader is not None:
+        with reader:
+            first_lost = reader.lost_from_step if reader.lost_from_step is not None else 1 << 62
+            try:
+                _copy_readable(reader, tmp)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            steps = reader.metrics().get("step", np.zeros(0))
+            report["rows_kept"] = reader.rows
+            if len(steps):
+                report["steps_kept"] = (int(steps.min()), int(steps.max()))
+    last = resume_step if resume_step is not None else None
+    report["lost"] = (first_lost, last) if last is not None and first_lost <= last else None
+    os.replace(path, aside)
+    if tmp.exists():
+        atomic.publish(tmp, path)
+    atomic.fsync_dir(path.parent)
+    return report
+
+
+def repair_message(path: Path, report: dict) -> str:
+    """One line on what repair_log did, for the resume output and the ranks' log."""
+    kept = report["steps_kept"]
+    now = f"a repaired log of steps {kept[0]}..{kept[1]}" if kept else "a new log (nothing in it could be read)"
+    lost = report["lost"]
+    what = (
+        f"lost: the log rows of steps {lost[0]}..{lost[1]} (trained on already, so not redone and not logged "
+        f"again; the training state in the checkpoint is intact)"
+        if lost
+        else "no logged step the checkpoint covers is lost"
+    )
+    return f"{path} was damaged ({report['damage']}): kept it as {report['kept_as']}; continuing with {now}; {what}"
+
+
+def _copy_readable(reader: TrajectoryReader, dst: Path) -> None:
+    """A new log at `dst` holding the reader's readable rows, metric rows and eval rows (closed cleanly)."""
+    old = reader._f
+    traj = old["traj"]
+    rows = reader.rows
+    with h5py.File(dst, "w", libver="latest", locking=False) as f:
+        for key, value in old.attrs.items():
+            f.attrs[key] = value
+        filters = _filters_like(traj["step"])
+        new = f.create_group("traj")
+        for name in ROW_COLUMNS:
+            ds = new.create_dataset(name, (0,), _ROW_DTYPES[name], maxshape=(None,), chunks=(ROW_CHUNK,), **filters)
+            _copy_prefix(traj[name] if name in traj else None, ds, rows)
+        for offsets_name in OFFSETS.values():  # offsets start at 0 (row r: [offsets[r], offsets[r + 1]))
+            ds = new.create_dataset(
+                offsets_name, data=np.zeros(1, np.int64), maxshape=(None,), chunks=(ROW_CHUNK,), **filters
+            )
+            _copy_prefix(traj[offsets_name], ds, rows + 1, start=1)
+        for name, dtype, length_field in RAGGED:
+            end = int(traj[OFFSETS[length_field]][rows]) if rows else 0
+            ds = new.create_dataset(name, (0,), dtype, maxshape=(None,), chunks=(TOKEN_CHUNK,), **filters)
+            _copy_prefix(traj[name], ds, end)
+        for group, n in (("metrics", reader.metric_rows), ("eval", reader.eval_rows)):
+            if group not in old:
+                continue
+            names = old[f"{group}/columns"][:]
+            g = f.create_group(group)
+            g.create_dataset("columns", data=names, maxshape=(None,), chunks=old[f"{group}/columns"].chunks)
+            values = old[f"{group}/values"]
+            g.create_dataset(
+                "values",
+                data=values[:n],
+                maxshape=(None, None),
+                chunks=values.chunks,
+                fillvalue=np.nan,
+            )
+            if group == "eval":
+                g.create_dataset("committed", data=np.array([n], np.int64))
+        if "eval" not in f:
+            _create_eval_group(f)
+        f.create_dataset("progress", data=np.array([rows, reader.metric_rows, 1], np.int64))
+
+
+def _copy_prefix(src: h5py.Dataset | None, dst: h5py.Dataset, n: int, start: int = 0) -> None:
+    """Elements [start, n) of src (zeros where the log predates the column) appended to dst, in pieces."""
+    for lo in range(start, n, COPY_ELEMENTS):
+        hi = min(lo + COPY_ELEMENTS, n)
+        _extend(dst, src[lo:hi] if src is not None else np.zeros(hi - lo, dst.dtype))
