@@ -299,6 +299,13 @@ class AlgorithmSection(_Section):
         "last optimizer step (steps x mini_batches x epochs).",
     )
     warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warmup from lr / warmup_steps to lr.")
+    warmup_ratio: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Warmup as a fraction of the run's optimizer steps (verl's lr_warmup_steps_ratio); "
+        "give warmup_steps or warmup_ratio, not both.",
+    )
     min_lr_ratio: float = Field(
         0.0, ge=0, le=1, description="linear / cosine: the final learning rate as a fraction of lr."
     )
@@ -330,6 +337,15 @@ class AlgorithmSection(_Section):
         description="Stop strings: a response ends once its text contains one "
         "(the tokenizer's EOS and generation_config.json eos_token_id end it too).",
     )
+
+    @model_validator(mode="after")
+    def _one_warmup(self) -> AlgorithmSection:
+        if self.warmup_steps and self.warmup_ratio:
+            raise ValueError(
+                f"algorithm.warmup_steps ({self.warmup_steps}) and algorithm.warmup_ratio ({self.warmup_ratio}) "
+                "both set; give one of them"
+            )
+        return self
 
 
 class GroupSection(_Section):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rollout_hpc.backends import trainer as T
-from rollout_hpc.config import load_config
+from rollout_hpc.config import ConfigError, load_config
 from rollout_hpc.models import build_model
 from rollout_hpc.runtime import batching
 
@@ -259,6 +259,11 @@ def test_lr_schedule_values():
         "algorithm.lr=1.0", "algorithm.steps=5", "algorithm.mini_batches=2", "algorithm.lr_schedule=linear"
     ).algorithm
     assert T.lr_at(a, 9) == pytest.approx(0.0) and T.lr_at(a, 4) > 0.5
+    # warmup_ratio: a fraction of all optimizer updates (10 steps x 2 mini-batches: 0.2 -> 4 updates)
+    a = make_cfg("algorithm.lr=1.0", "algorithm.steps=10", "algorithm.mini_batches=2", "algorithm.warmup_ratio=0.2")
+    assert [T.lr_at(a.algorithm, s) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    with pytest.raises(ConfigError, match="warmup_steps .* and algorithm.warmup_ratio .* both set"):
+        make_cfg("algorithm.warmup_steps=2", "algorithm.warmup_ratio=0.1")
 
 
 def _digest(trainer):

@@ -14,18 +14,25 @@ def make_optimizer(params, algorithm) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=a.lr, betas=tuple(a.adam_betas), eps=a.adam_eps, weight_decay=a.weight_decay)
 
 
+def warmup_steps(algorithm) -> int:
+    """algorithm.warmup_steps, or warmup_ratio of the run's optimizer steps (steps x mini_batches x epochs)."""
+    a = algorithm
+    return a.warmup_steps or int(a.warmup_ratio * a.steps * a.mini_batches * a.epochs)
+
+
 def lr_at(algorithm, step: int) -> float:
-    """The learning rate of optimizer step `step` (0-based): linear warmup over algorithm.warmup_steps from
-    lr/warmup_steps, then constant, or linear / cosine decay to lr * min_lr_ratio at the last update
+    """The learning rate of optimizer step `step` (0-based): linear warmup over warmup_steps(algorithm) from
+    lr/warmup, then constant, or linear / cosine decay to lr * min_lr_ratio at the last update
     (algorithm.steps x mini_batches x epochs optimizer steps in the run)."""
     a = algorithm
-    if a.warmup_steps and step < a.warmup_steps:
-        return a.lr * (step + 1) / a.warmup_steps
+    total = a.steps * a.mini_batches * a.epochs
+    warmup = warmup_steps(a)
+    if warmup and step < warmup:
+        return a.lr * (step + 1) / warmup
     if a.lr_schedule == "constant":
         return a.lr
-    total = a.steps * a.mini_batches * a.epochs
-    span = max(total - a.warmup_steps - 1, 1)
-    progress = min(max(step - a.warmup_steps, 0) / span, 1.0)
+    span = max(total - warmup - 1, 1)
+    progress = min(max(step - warmup, 0) / span, 1.0)
     floor = a.lr * a.min_lr_ratio
     if a.lr_schedule == "linear":
         return floor + (a.lr - floor) * (1.0 - progress)
