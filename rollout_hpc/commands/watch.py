@@ -102,7 +102,7 @@ def frame(run_dir: Path, manifest: dict, job: tuple[str, bool, str | None, int])
     line = f"step {done}/{total}"
     times = metrics.get("time", np.zeros(0))[-20:]
     if len(times) >= 2 and done < total and not ended:
-        per_step = (times[-1] - times[0]) / (len(times) - 1)
+        per_step = float(np.median(np.diff(times)))  # the median: a gap (an interruption) does not count
         line += f"  ({done / max(total, 1):.0%}, ETA {duration(per_step * (total - done))}, {per_step:.2f} s/step)"
     rows.add_row("progress", line)
     for name, label, fmt in (
@@ -121,16 +121,17 @@ def frame(run_dir: Path, manifest: dict, job: tuple[str, bool, str | None, int])
     checkpoints = list_checkpoints(run_dir)
     if checkpoints:
         newest = checkpoints[-1]
-        age = time.time() - newest.path.stat().st_mtime
-        rows.add_row("last checkpoint", f"step {newest.step}, {duration(age)} ago")
+        try:
+            age = f", {duration(time.time() - newest.path.stat().st_mtime)} ago"
+        except OSError:  # pruned by keep_last meanwhile
+            age = ""
+        rows.add_row("last checkpoint", f"step {newest.step}{age}")
     else:
         rows.add_row("last checkpoint", "none yet")
     left = time_left(job_id) if job_id else None
     if left:
         rows.add_row("allocation ends in", left)
-    # allocations after the first: `resume`s, chained jobs and Slurm requeues
-    allocations = len(manifest.get("local_runs", [])) + len(manifest.get("job_ids", []))
-    rows.add_row("restarts", str(max(0, allocations - 1) + requeues))
+    rows.add_row("restarts", str(len(manifest.get("resumes", [])) + requeues))  # `resume`s and Slurm requeues
     rows.add_row("job", state)
     if status:
         rows.add_row("log", status)
