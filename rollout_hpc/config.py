@@ -107,6 +107,18 @@ class RunSection(_Section):
         return Path(expanded)
 
 
+class LoraSection(_Section):
+    rank: int = Field(8, gt=0, description="LoRA rank r of each adapter (A: r x in, B: out x r).")
+    alpha: float = Field(16.0, gt=0, description="LoRA scale numerator: the update is B @ A * alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input while training.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="Last names of the linear layers to adapt (e.g. q_proj, v_proj), or ['all-linear'] "
+        "(every linear layer but the output head).",
+    )
+
+
 class ModelSection(_Section):
     path: str | None = Field(None, description="Local Hugging Face causal-LM directory. None = built-in tiny model.")
     init_from: str | None = Field(
@@ -120,6 +132,11 @@ class ModelSection(_Section):
     num_heads: int = Field(4, gt=0)
     max_seq_len: int = Field(64, gt=0)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    lora: LoraSection | None = Field(
+        None,
+        description="Train LoRA adapters (peft) instead of every weight: the base is frozen, the optimizer and "
+        "checkpoints hold only the adapters, the generators get the merged weights (docs/training.md).",
+    )
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self) -> ModelSection:
@@ -608,6 +625,16 @@ class Config(_Section):
             raise ValueError(
                 "algorithm.name 'ppo' needs a critic, which trainer.backend 'megatron' does not have; use trainer.backend "
                 "'deepspeed' (zero_stage 3 shards policy and critic) or 'torch', or a critic-free algorithm (grpo, dapo, rloo, reinforce_pp)"
+            )
+        if self.model.lora and self.trainer.backend == "megatron":
+            raise ValueError(
+                "model.lora is not supported by trainer.backend 'megatron'; use trainer.backend 'torch' or "
+                "'deepspeed' for LoRA, or remove model.lora"
+            )
+        if self.model.lora and self.algorithm.name == "ppo":
+            raise ValueError(
+                "model.lora with algorithm.name 'ppo': the critic cannot train LoRA adapters yet; use a critic-free "
+                "algorithm (grpo, dapo, rloo, reinforce_pp) or remove model.lora"
             )
         if self.warmup.sft_steps and self.run.program == "train" and self.algorithm.kl_coef > 0:
             raise ValueError(
