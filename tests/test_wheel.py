@@ -4,7 +4,8 @@ And the declared dependencies (pyproject.toml) match what the package and tools/
 Builds the wheel with maturin (the one step that needs cargo), installs it with `pip --no-deps` into a new venv
 whose other packages come from this test's environment (a path entry, so the checkout's editable install is not
 seen), then runs `rollout-hpc render configs/smoke.yaml --set launcher=slurm` from a directory outside the
-checkout, on a PATH without cargo: the job script templates must come from inside the installed package.
+checkout, on a PATH without cargo: the job script templates must come from inside the installed package; and
+`rollout-hpc init --example quickstart` + `validate` in an empty directory: the examples and their data too.
 ROLLOUT_TEST_WHEEL=PATH tests a wheel built elsewhere instead of building one.
 """
 
@@ -75,10 +76,17 @@ def test_wheel_ships_the_templates(wheel):
         assert shipped in names, sorted(n for n in names if not n.endswith(".py"))
         assert zipfile.ZipFile(wheel).read(shipped) == (REPO / "slurm" / template).read_bytes()
     assert any(n.startswith("rollout_hpc/_ring") and n.endswith(".so") for n in names)
+    # the examples and their data, for `rollout-hpc init` (every file of configs/, byte for byte)
+    configs = [p for p in (REPO / "configs").rglob("*") if p.is_file()]
+    assert any(p.suffix == ".jsonl" for p in configs)
+    for path in configs:
+        shipped = f"rollout_hpc/example_configs/{path.relative_to(REPO / 'configs').as_posix()}"
+        assert shipped in names, shipped
+        assert zipfile.ZipFile(wheel).read(shipped) == path.read_bytes()
 
 
 @pytest.mark.slow
-def test_installed_wheel_renders_outside_the_checkout_without_cargo(wheel, tmp_path):
+def test_installed_wheel_renders_and_inits_outside_the_checkout_without_cargo(wheel, tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
@@ -146,6 +154,17 @@ def test_installed_wheel_renders_outside_the_checkout_without_cargo(wheel, tmp_p
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "#SBATCH hetjob" in done.stdout
     assert "python -m rollout_hpc.runtime.entry" in done.stdout or "rollout_hpc.runtime.entry" in done.stdout
+
+    # A new user with no checkout: `init` writes the quickstart and its data from the package, and it validates.
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    for argv in (["init", "--example", "quickstart"], ["validate", "quickstart.yaml"]):
+        done = subprocess.run(
+            [str(venv / "bin" / "rollout-hpc"), *argv], cwd=fresh, env=env, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (fresh / "quickstart.yaml").read_bytes() == (REPO / "configs" / "quickstart.yaml").read_bytes()
+    assert "1800 training prompts" in done.stdout
 
 
 # --- declared dependencies ------------------------------------------------------------------------------------------
