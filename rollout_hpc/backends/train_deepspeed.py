@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from rollout_hpc.backends.optimizer import make_optimizer
-from rollout_hpc.backends.trainer import Trainer, init_torch_distributed
+from rollout_hpc.backends.trainer import EngineTrainer, init_torch_distributed
 from rollout_hpc.errors import TrainerError
 from rollout_hpc.store.rng import capture_rng_state, restore_rng_state
 
@@ -68,7 +68,7 @@ def _ninja_on_path() -> None:
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
 
 
-class DeepSpeedTrainer(Trainer):
+class DeepSpeedTrainer(EngineTrainer):
     def __init__(self, cfg, model: torch.nn.Module, world):
         on_gpu = cfg.trainer.gpus_per_task > 0 and torch.cuda.is_available()
         if not on_gpu:
@@ -96,17 +96,6 @@ class DeepSpeedTrainer(Trainer):
             model=scoring, optimizer=optimizer, config=deepspeed_config(cfg)
         )
         self.module = self.engine.module.model  # parameter names are the model's own
-
-    supports_accumulation = True
-
-    def _forward_logits(self, input_ids, attention_mask):
-        return self.engine(input_ids, attention_mask)
-
-    def _forward_scores(self, input_ids, attention_mask, positions=None):
-        return self.engine(input_ids, attention_mask, positions, scores=True)
-
-    def _set_train(self, mode: bool) -> None:
-        self.engine.train(mode)
 
     def _zero_grad(self) -> None:
         pass  # engine.step() zeroes the gradients after each update
@@ -138,12 +127,17 @@ class DeepSpeedTrainer(Trainer):
     def full_weights(self) -> dict[str, np.ndarray]:
         # Collective under ZeRO-3: every trainer rank must call it.
         with self._gathered():
+            if self.lora:
+                return self._lora_sync_weights(self.module)
             return {k: v.detach().float().cpu().numpy().copy() for k, v in self.module.state_dict().items()}
 
     def load_full_weights(self, weights: dict[str, np.ndarray] | None) -> None:
-        """Set every parameter from group rank 0's `weights` (other ranks may pass None). Collective."""
+        """Set every parameter from group rank 0's `weights` (other ranks may pass None); with LoRA the
+        adapters only (a checkpoint's weights). Collective."""
         with self._gathered(modifier_rank=0), torch.no_grad():
             tensors = self.module.state_dict(keep_vars=True)
+            if self.lora:
+                tensors = {name: t for name, t in tensors.items() if t.requires_grad}
             if self.world.group_rank == 0:
                 assert weights is not None  # group rank 0 always passes them
                 for name, tensor in tensors.items():
@@ -160,7 +154,8 @@ class DeepSpeedTrainer(Trainer):
     def state_dict_for_checkpoint(self) -> dict[str, Any]:
         """This rank's shard: its share of the optimizer by parameter name (see the module doc), and on
         group rank 0 the full weights. Collective over the trainer group."""
-        weights = self.full_weights()  # collective under ZeRO-3
+        with self._gathered() if self.lora else contextlib.nullcontext():  # collective under ZeRO-3 (either way)
+            weights = self._checkpoint_weights(self.module)
         state = {
             "optimizer": self._optimizer_share(),
             "zero_stage": self.stage,
@@ -168,6 +163,7 @@ class DeepSpeedTrainer(Trainer):
             "rng": capture_rng_state(),
             "steps_done": self.steps_done,
             "lr_schedule": self.lr_schedule_state(),
+            **self._lora_state(),
         }
         if self.world.group_rank == 0:
             state["weights"] = weights
@@ -202,7 +198,11 @@ class DeepSpeedTrainer(Trainer):
         for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition"):
             if getattr(opt, attr, None) is not None:
                 return list(getattr(opt, attr))
-        return list(self.module.parameters())
+        return [param for _, param in self._trained()]
+
+    def _trained(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The parameters the optimizer steps, by name (all of them; with LoRA the adapters)."""
+        return [(name, param) for name, param in self.module.named_parameters() if param.requires_grad]
 
     def _adam_step(self) -> torch.Tensor | None:
         """AdamW's step count (the same for every tensor it steps); None before the first step."""
@@ -247,7 +247,7 @@ class DeepSpeedTrainer(Trainer):
         step = self._adam_step()
         keys = ("fp32",) if step is None else ("fp32", *ADAM_MOMENTS)
         params = {}
-        for i, (name, param) in enumerate(self.module.named_parameters()):
+        for i, (name, param) in enumerate(self._trained()):
             whole = {key: self._full(param, key) for key in keys}  # every rank joins the gathers ...
             if i % n == me:  # ... and keeps every n-th parameter
                 params[name] = {
@@ -266,7 +266,7 @@ class DeepSpeedTrainer(Trainer):
         for rank, names in enumerate(comm.allgather(sorted(held))):
             for name in names:
                 owner.setdefault(name, rank)
-        named = list(self.module.named_parameters())
+        named = self._trained()
         missing = [name for name, _ in named if name not in owner]
         if missing or len(owner) != len(named):
             unknown = sorted(set(owner) - {name for name, _ in named})

@@ -17,11 +17,12 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from rollout_hpc.backends.optimizer import make_optimizer
-from rollout_hpc.backends.trainer import Trainer, init_torch_distributed
+from rollout_hpc.backends.trainer import EngineTrainer, init_torch_distributed
+from rollout_hpc.models import lora
 from rollout_hpc.store.rng import capture_rng_state, restore_rng_state
 
 
-class TorchTrainer(Trainer):
+class TorchTrainer(EngineTrainer):
     def __init__(self, cfg, model: torch.nn.Module, world):
         super().__init__(cfg, world)
         if self.device.type == "cuda":
@@ -35,17 +36,6 @@ class TorchTrainer(Trainer):
                 self.engine, device_ids=[self.device.index] if self.device.type == "cuda" else None
             )
         self.optimizer = make_optimizer(self.module.parameters(), cfg.algorithm)
-
-    supports_accumulation = True
-
-    def _forward_logits(self, input_ids, attention_mask):
-        return self.engine(input_ids, attention_mask)
-
-    def _forward_scores(self, input_ids, attention_mask, positions=None):
-        return self.engine(input_ids, attention_mask, positions, scores=True)
-
-    def _set_train(self, mode: bool) -> None:
-        self.engine.train(mode)
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -67,6 +57,8 @@ class TorchTrainer(Trainer):
     def full_weights(self) -> dict[str, np.ndarray]:
         # DDP keeps every replica identical, so each rank can answer locally. Copies: the caller
         # may keep them while training goes on (float() and cpu() would alias a float32 CPU tensor).
+        if self.lora:
+            return self._lora_sync_weights(self.module)
         return {k: v.detach().to("cpu", torch.float32, copy=True).numpy() for k, v in self.module.state_dict().items()}
 
     def load_full_weights(self, weights: dict[str, np.ndarray]) -> None:
@@ -75,15 +67,19 @@ class TorchTrainer(Trainer):
 
     def state_dict_for_checkpoint(self) -> dict[str, Any]:
         return {
-            "weights": self.full_weights(),
+            "weights": self._checkpoint_weights(self.module),
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),  # a snapshot, not live tensors
             "rng": capture_rng_state(),
             "steps_done": self.steps_done,
             "lr_schedule": self.lr_schedule_state(),
+            **self._lora_state(),
         }
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        self.load_full_weights(state["weights"])
+        if self.lora:
+            lora.load_adapter_weights(self.module, state["weights"])
+        else:
+            self.load_full_weights(state["weights"])
         saved = state["optimizer"]
         # Hyper-parameters come from the current config (a resume may change lr); moments from the checkpoint.
         self.optimizer.load_state_dict(

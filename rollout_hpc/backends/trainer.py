@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from rollout_hpc.algos.losses import masked_mean
 from rollout_hpc.errors import TrainerError
+from rollout_hpc.models import lora
 from rollout_hpc.models.packing import check_packable
 
 from .micro_batches import micro_batch, micro_batch_weights, pad_time, split_micro_batches
@@ -128,6 +129,7 @@ class Trainer(ABC):
         self.max_rows = t.micro_batch_size
         self.chunk_tokens = t.logprob_chunk_tokens
         self.packing = t.packing
+        self.lora = cfg.model.lora is not None  # make_trainer injected the adapters; the base is frozen
 
     def _prepare_model(self, model: torch.nn.Module) -> ScoringModel:
         """The module an engine wraps (gradient checkpointing switched on first when configured)."""
@@ -189,6 +191,22 @@ class Trainer(ABC):
 
     @abstractmethod
     def load_checkpoint_state(self, state: dict[str, Any]) -> None: ...
+
+    # --- LoRA (model.lora) ----------------------------------------------------
+    def _lora_sync_weights(self, module: torch.nn.Module) -> dict[str, np.ndarray]:
+        """What the generators load with LoRA: the merged weight of every adapted layer under its base name, the
+        only tensors that differ from the frozen base. Every generator built that same base (build_policy: the same
+        model.path, seeded built-in model or model.init_from), so any one sync, the first after a start or resume
+        included, leaves it with exactly the trainer's merged model, whichever versions it skipped."""
+        return lora.merged_weights(module)
+
+    def _checkpoint_weights(self, module: torch.nn.Module) -> dict[str, np.ndarray]:
+        """The weights a checkpoint holds: every tensor, or with LoRA only the adapters (the base is model.path /
+        the seeded built-in model / model.init_from, rebuilt on resume and export)."""
+        return lora.adapter_weights(module) if self.lora else self.full_weights()
+
+    def _lora_state(self) -> dict[str, Any]:
+        return {"lora": lora.lora_meta(self.cfg.model.lora)} if self.lora else {}
 
     # --- shared --------------------------------------------------------------
     def _to_device(self, batch: dict) -> dict:
@@ -348,6 +366,24 @@ class Trainer(ABC):
             dist.destroy_process_group()
 
 
+class EngineTrainer(Trainer):
+    """A backend whose engine (DDP, a DeepSpeed engine) wraps the ScoringModel of `_prepare_model`: every forward
+    goes through the engine, so its hooks run (gradient all-reduce, ZeRO-3 parameter gathering), and gradients
+    accumulate over micro-batches. The backend sets `self.engine` and supplies _zero_grad, _backward and _step."""
+
+    supports_accumulation = True
+    engine: Any  # torch DDP / the model itself, or a DeepSpeed engine
+
+    def _forward_logits(self, input_ids, attention_mask):
+        return self.engine(input_ids, attention_mask)
+
+    def _forward_scores(self, input_ids, attention_mask, positions=None):
+        return self.engine(input_ids, attention_mask, positions, scores=True)
+
+    def _set_train(self, mode: bool) -> None:
+        self.engine.train(mode)
+
+
 _BACKENDS = {
     "torch": "rollout_hpc.backends.train_torch:TorchTrainer",
     "deepspeed": "rollout_hpc.backends.train_deepspeed:DeepSpeedTrainer",
@@ -360,6 +396,10 @@ def make_trainer(cfg, model, world) -> Trainer:
     name = cfg.trainer.backend
     if name not in _BACKENDS:
         raise TrainerError(f"trainer.backend '{name}' is unknown; use one of {', '.join(_BACKENDS)}")
+    if cfg.model.lora is not None:
+        if name == "megatron":
+            raise TrainerError("model.lora is not supported by trainer.backend 'megatron'; use torch or deepspeed")
+        lora.apply_lora(model, cfg.model.lora, seed=cfg.run.seed)  # in place: the backend sees the adapted model
     module_name, cls_name = _BACKENDS[name].split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
     return cls(cfg, model, world)
@@ -373,6 +413,7 @@ def cross_entropy_loss_fn(logp, ent, batch):
 
 # The pieces that live in micro_batches.py, optimizer.py and token_scores.py stay importable from here.
 __all__ = [
+    "EngineTrainer",
     "LossFn",
     "ScoringModel",
     "Trainer",
