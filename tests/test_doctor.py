@@ -105,15 +105,15 @@ def test_checkpoint_estimate_matches_the_built_in_models_parameters():
 
 
 @pytest.mark.slurm
-def test_doctor_on_the_slurm_cluster_probes_both_het_groups(slurm_cluster, tmp_path):
-    """Launcher slurm from the login node: srun allocates the het layout (one node per group) for the probe."""
+@pytest.mark.parametrize("where", ["login node", "in allocation"])
+def test_doctor_on_the_slurm_cluster_probes_both_het_groups(slurm_cluster, tmp_path, where):
+    """From the login node srun allocates the het layout (one node per group) for the probe; --in-allocation runs
+    it inside a het job's allocation (here: salloc), as the first seconds of a job would."""
+    doctor = [sys.executable, "-m", "rollout_hpc", "doctor", str(write_config(tmp_path)), "--set", "launcher=slurm"]
+    if where == "in allocation":
+        doctor = ["salloc", "-N1", "-n1", ":", "-N1", "-n1", *doctor, "--in-allocation"]
     done = subprocess.run(
-        [sys.executable, "-m", "rollout_hpc", "doctor", str(write_config(tmp_path)), "--set", "launcher=slurm"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**slurm_cluster.env, "COLUMNS": "250"},
+        doctor, cwd=tmp_path, capture_output=True, text=True, timeout=240, env={**slurm_cluster.env, "COLUMNS": "250"}
     )
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]

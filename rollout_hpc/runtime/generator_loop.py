@@ -27,7 +27,6 @@ from rollout_hpc.rewards import REWARD_ERROR, REWARD_OK
 from rollout_hpc.runtime import watchdog
 from rollout_hpc.runtime.evaluation import EvalSchedule, Evaluator
 from rollout_hpc.runtime.step_plan import Informative, StepPlan, informative_groups, rank_share
-from rollout_hpc.runtime.world import abort_world
 
 
 class RewardWorkers:
@@ -87,11 +86,9 @@ class RewardWorkers:
             job = self.queue.get()
             if job is None:
                 return
-            try:
-                fault_point("reward-sender")
-                self.exchange.put(self._scored(*job))
-            except BaseException as exc:  # noqa: BLE001 - any failure here must end the job, not this thread
-                abort_world(str(exc) if hasattr(exc, "args") and exc.args else repr(exc))
+            fault_point("reward-sender")
+            # A failure here ends the whole job (runtime.watchdog's threading.excepthook), not only this thread.
+            self.exchange.put(self._scored(*job))
 
     def close(self) -> None:
         """Wait until everything submitted is scored and in the exchange."""

@@ -12,7 +12,7 @@ Three rules, on every rank of a run (docs/resume.md, "Hangs and failing threads"
   (a message to each rank's watchdog thread on a communicator of its own), lets trainers that wait at a step
   boundary checkpoint, and ends the job with a message naming the rank, its last step and where the stacks are.
   A rank whose watchdog thread cannot run at all (a C call holding the GIL) is ended by faulthandler's own
-  timer (no GIL needed), with its stacks in the same file.
+  timer (no GIL needed), with its stacks in the rank's log.
 
 The clock starts at the first beat (after start-up: model load, first weights), so slow start-ups do not count.
 """
@@ -37,6 +37,9 @@ from rollout_hpc.runtime.world import abort_world
 
 _TAG_HANG, _TAG_ACK = 41, 42
 WAIT_SLICE_S = 0.25  # how often a wait on another rank looks at stop signals and hang reports
+# A wait gives up on a stop signal this long after it came: MPI_Abort elsewhere also sends SIGTERM (then SIGKILL
+# within a second), and a checkpoint begun in that second would be cut off, leaving a partial file.
+STOP_WAIT_S = 2.0
 ACK_WAIT_S = 5.0  # how long the rank that found a hang waits for the others' stacks
 EXIT_HANG = 3  # the exit code of a job ended by the watchdog
 
@@ -54,6 +57,7 @@ class Interrupted(Exception):
 
 
 _current: Watchdog | None = None
+_stop_seen: float | None = None  # when a wait first saw the stop signal
 
 
 def beat(step: int | None = None) -> None:
@@ -72,8 +76,11 @@ def interruption() -> Interrupted | None:
     """Why a wait should end now: a stop signal, or a hang reported by any rank; None to go on waiting."""
     if _current is not None and _current.hang_report is not None:
         return Interrupted("hang", _current.hang_report)
+    global _stop_seen
     if checkpointing.stop_signalled():
-        return Interrupted("stop", "a stop signal (SIGUSR1/SIGTERM) arrived")
+        _stop_seen = _stop_seen or time.monotonic()
+        if time.monotonic() - _stop_seen >= STOP_WAIT_S:
+            return Interrupted("stop", "a stop signal (SIGUSR1/SIGTERM) arrived")
     return None
 
 
@@ -140,7 +147,7 @@ class Watchdog:
             if self.timeout <= 0 or self.last_beat is None:
                 continue
             # Backstop for a main thread that holds the GIL forever (this thread then never runs again).
-            faulthandler.dump_traceback_later(self.timeout + 60, exit=True, file=self._stacks())
+            faulthandler.dump_traceback_later(self.timeout + 60, exit=True, file=sys.stderr)  # the rank's log
             idle = time.monotonic() - self.last_beat
             if idle > self.timeout and self.hang_report is None:
                 self._hung(idle)
@@ -149,7 +156,7 @@ class Watchdog:
     def _stacks(self):
         if self._stacks_file is None:
             self.logs.mkdir(parents=True, exist_ok=True)
-            self._stacks_file = open(self.stacks_path, "a")  # kept open: faulthandler writes to its descriptor
+            self._stacks_file = open(self.stacks_path, "a")
         return self._stacks_file
 
     def _dump(self, why: str) -> None:
