@@ -5,6 +5,7 @@ import torch
 import yaml
 
 from rollout_hpc.config import ModelSection
+from rollout_hpc.errors import TaskError
 from rollout_hpc.models import (
     CharTokenizer,
     ModelLoadError,
@@ -29,7 +30,7 @@ def test_char_tokenizer_round_trip():
     # special tokens are dropped on decode; the prompt starts with BOS
     assert tok.decode([tok.bos_id] + tok.encode("12") + [tok.eos_id, tok.pad_id]) == "12"
     assert tok.encode_prompt("1+1=")[0] == tok.bos_id
-    with pytest.raises(ValueError, match="model.path"):
+    with pytest.raises(TaskError, match="model.path"):  # a UserError: one line, no traceback
         tok.encode("café")
 
 

@@ -23,7 +23,7 @@ import yaml
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from rollout_hpc.config import ModelSection
-from rollout_hpc.errors import ModelLoadError
+from rollout_hpc.errors import ModelLoadError, TaskError
 
 
 class Tokenizer(Protocol):
@@ -59,7 +59,7 @@ def render_template(template: str, messages, **variables) -> str:
     """Render a Hugging Face style chat template (jinja2, sandboxed, trim_blocks/lstrip_blocks as transformers does)."""
 
     def raise_exception(message):
-        raise ValueError(f"the chat template refused the messages: {message}")
+        raise TaskError(f"the chat template refused the messages: {message}")
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
@@ -96,7 +96,7 @@ class CharTokenizer:
         try:
             return [self._to_id[c] for c in text]
         except KeyError as exc:
-            raise ValueError(
+            raise TaskError(
                 f"character {exc.args[0]!r} is not in the built-in tokenizer's vocabulary (printable ASCII and newline); "
                 "keep task text ASCII or set model.path to a Hugging Face model directory with its own tokenizer"
             ) from None
