@@ -65,7 +65,7 @@ def original_rows(pristine: Path, columns: list[str]) -> dict[str, np.ndarray]:
 
 def run(*argv: str) -> int:
     """One CLI command, as in a new process (which warns once about each damaged file)."""
-    trajlog._WARNED.clear()
+    getattr(trajlog, "_WARNED", set()).clear()
     return main(list(argv))
 
 

@@ -12,13 +12,16 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import BinaryIO
 
 from rich.console import Console
 
 from rollout_hpc.config import Config
+from rollout_hpc.errors import UserError
 from rollout_hpc.launch import rundir
 from rollout_hpc.launch.executables import require_executable
 from rollout_hpc.rundir_layout import CHECKPOINTS, EXIT_CONTINUE
+from rollout_hpc.store.atomic import is_disk_full, space_note
 
 # Signals the foreground process passes on to mpirun; mpirun forwards USR1/USR2 to every rank
 # and ends the job on INT/TERM.
@@ -60,6 +63,19 @@ def launch_env() -> dict[str, str]:
     if os.geteuid() == 0:  # Open MPI refuses root unless told it is intended
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     return env
+
+
+def _write_log(log: BinaryIO, raw: bytes, path: Path, console: Console) -> bool:
+    """Copy a line of the ranks' output to the run's log; on a full disk say so once and go on without it
+    (the launcher must live on to record how the run ends). Returns whether to keep logging."""
+    try:
+        log.write(raw)
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        console.print(f"cannot write {path}: {space_note(path.parent)}; the output continues here only", markup=False)
+        return False
+    return True
 
 
 def run_local(cfg: Config, run_dir: Path, console: Console | None = None) -> int:
@@ -108,16 +124,17 @@ def run_local(cfg: Config, run_dir: Path, console: Console | None = None) -> int
     ranks = cfg.world_size
     try:
         with (
-            open(log_path, "ab") as log,
+            open(log_path, "ab", buffering=0) as log,  # unbuffered: on a full disk, close has nothing to flush
             console.status(
                 f"[bold]mpirun[/]: {ranks} ranks ({cfg.generator.nodes}x{cfg.generator.tasks_per_node} generator, "
                 f"{cfg.trainer.nodes}x{cfg.trainer.tasks_per_node} trainer) in {run_dir}"
             ),
         ):
             assert proc.stdout is not None
+            logging = True
             for raw in proc.stdout:
-                log.write(raw)
-                log.flush()
+                if logging:
+                    logging = _write_log(log, raw, log_path, console)
                 console.print(raw.decode(errors="replace").rstrip("\n"), markup=False, highlight=False, soft_wrap=True)
             code = proc.wait()
     finally:
@@ -133,7 +150,10 @@ def run_local(cfg: Config, run_dir: Path, console: Console | None = None) -> int
             if record.get("pid") == proc.pid and record.get("exit_code") is None:
                 record.update(exit_code=exit_code, ended=rundir.now_utc())
 
-    rundir.update_manifest(run_dir, finish)
+    try:
+        rundir.update_manifest(run_dir, finish)
+    except UserError as exc:  # a full disk: say so, and still say how the run ended
+        console.print(f"could not record the exit code in the manifest: {exc}", markup=False)
     console.print(f"mpirun exited with code {exit_code}; log: {run_dir / rundir.LOGS}/", markup=False)
     if exit_code == EXIT_CONTINUE:
         console.print(

@@ -42,6 +42,7 @@ from rollout_hpc.rundir_layout import (
     MANIFEST,
     RESOLVED_CONFIG,
 )
+from rollout_hpc.store.atomic import is_disk_full, space_note
 
 
 def now_utc() -> str:
@@ -159,8 +160,14 @@ def remove_run_dir(run_dir: Path) -> None:
 
 def _write_json(path: Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)  # a full disk must not leave a 0-byte temporary manifest behind
+        if is_disk_full(exc):
+            raise UserError(f"cannot write {path}: {space_note(path.parent)}; free space there") from None
+        raise
 
 
 def read_manifest(run_dir: Path) -> dict[str, Any]:

@@ -51,6 +51,10 @@ _DIR_RE = re.compile(r"^step-(\d{8})$")
 _TMP_RE = re.compile(r"^step-(\d{8})\.h5\.tmp-\d+$")
 
 
+class CheckpointDiskFull(CheckpointError):
+    """The file system of the run directory has no room for the next checkpoint."""
+
+
 @dataclass(frozen=True)
 class CheckpointInfo:
     step: int
@@ -101,9 +105,52 @@ def _refuse(value: Any):
     raise TypeError(f"{type(value).__name__} {value!r} is not JSON-serializable")
 
 
+def state_nbytes(value: Any) -> int:
+    """The bytes of a state's leaves: about the size of its checkpoint file (metadata adds a little)."""
+    if isinstance(value, dict):
+        return sum(state_nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(state_nbytes(v) for v in value)
+    if isinstance(value, (bytes, str)):
+        return len(value)
+    nbytes = getattr(value, "nbytes", None)  # numpy arrays, torch tensors
+    return nbytes if isinstance(nbytes, int) else 8
+
+
+def _previous_size(final: Path) -> tuple[str, int] | None:
+    """(name, bytes) of the newest checkpoint file beside `final` (a sharded one: the same shard), if any."""
+    siblings = (
+        sorted(p for p in final.parent.parent.glob(f"step-*/{final.name}"))
+        if _DIR_RE.match(final.parent.name)
+        else sorted(p for p in final.parent.iterdir() if _FILE_RE.match(p.name) and p != final)
+    )
+    return (siblings[-1].name, siblings[-1].stat().st_size) if siblings else None
+
+
+def _no_space(final: Path, needed: int, previous: tuple[str, int] | None, during: bool) -> CheckpointDiskFull:
+    run_dir = next((p.parent for p in final.parents if p.name == "checkpoints"), final.parent)
+    size = f"about {atomic.human(needed)}" + (
+        f" (the previous checkpoint, {previous[0]}, is {atomic.human(previous[1])})" if previous else ""
+    )
+    what = "ran out of space writing" if during else "not enough space for"
+    return CheckpointDiskFull(
+        f"{what} checkpoint {final}: it needs {size}; {atomic.space_note(final.parent)}. Nothing partial is left. "
+        f"Free space there (or lower checkpoint.keep_last, or move the run directory), then "
+        f"`rollout-hpc resume {run_dir}` continues from the newest checkpoint"
+    )
+
+
 def write_checkpoint_file(final: Path, step: int, state: dict, meta: dict | None = None) -> str:
-    """Write one checkpoint file atomically; returns its content checksum."""
+    """Write one checkpoint file atomically; returns its content checksum.
+
+    Refuses (CheckpointDiskFull, before writing anything) when the file system has less free space than the
+    checkpoint needs: the larger of the state's bytes and the previous checkpoint's size; a write that still
+    runs out of space removes its temporary file and raises the same error."""
     meta_json = _meta_json(step, meta)
+    previous = _previous_size(final)
+    needed = max(state_nbytes(state), previous[1] if previous else 0)
+    if atomic.free_bytes(final.parent) < needed:
+        raise _no_space(final, needed, previous, during=False)
     tmp = atomic.temp_path(final)
     hasher = LeafHasher()
     try:
@@ -117,10 +164,25 @@ def write_checkpoint_file(final: Path, step: int, state: dict, meta: dict | None
             f.attrs["content_checksum"] = content
             f.attrs["checksum_algo"] = CHECKSUM_ALGO
         atomic.publish(tmp, final)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        if atomic.is_disk_full(exc):
+            raise _no_space(final, needed, previous, during=True) from None
         raise
     return content
+
+
+def warn_if_space_low(final: Path) -> None:
+    """One warning when the file system could not hold two more checkpoints the size of `final`."""
+    size = sum(p.stat().st_size for p in final.rglob("*")) if final.is_dir() else final.stat().st_size
+    if atomic.free_bytes(final.parent) < 2 * size:
+        log.warning(
+            "warning: little space left for checkpoints: %s; %s is %s, so the run stops with an error at a "
+            "checkpoint that does not fit. Free space there (or lower checkpoint.keep_last)",
+            atomic.space_note(final.parent),
+            final.name,
+            atomic.human(size),
+        )
 
 
 def _open(path: Path) -> h5py.File:
@@ -185,6 +247,7 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict, meta: dict | No
     final = directory / f"{step_name(step)}.h5"
     write_checkpoint_file(final, step, state, meta)
     prune(run_dir, keep_last)
+    warn_if_space_low(final)
     return final
 
 
@@ -229,6 +292,7 @@ def commit_shards(
     atomic.write_text_atomic(directory / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
     atomic.fsync_dir(directory.parent)
     prune(run_dir, keep_last)
+    warn_if_space_low(directory)
     return directory
 
 
