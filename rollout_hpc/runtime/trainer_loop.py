@@ -69,11 +69,12 @@ class StepReceiver:
                     new = []
             else:
                 mine = self.exchange.get_available(need, timeout=self.poll_s)
-                got = self.world.group_comm.allgather((why is not None, bytes(mine.pack())))
+                got = self.world.group_comm.allgather((why and (why.kind, str(why)), bytes(mine.pack())))
                 new = [TrajectoryBatch.unpack(b) for _, b in got]
-                if any(flag for flag, _ in got):
+                reasons = sorted(r for r, _ in got if r)  # "hang" before "stop": every rank raises the same
+                if reasons:
                     self.pool = TrajectoryBatch.concat([self.pool, *new])
-                    raise why or watchdog.Interrupted("stop", "another trainer rank gave up waiting")
+                    raise watchdog.Interrupted(*reasons[0])
             watchdog.waiting()
             if not sum(len(b) for b in new) and self.exchange.ended:
                 raise batching.StalenessError(
