@@ -4,8 +4,10 @@ finished run, exported (`export-model`), is traced back by `rollout-hpc analyze 
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -90,3 +92,27 @@ def test_analyze_an_exported_model_names_the_run_it_came_from(watched, tmp_path)
         and f"{STEPS} / {STEPS}" in shown.stdout
         and record["config_digest"] in shown.stdout
     )
+
+
+@pytest.mark.slurm
+def test_watch_shows_the_time_left_of_a_slurm_job_and_its_end(slurm_cluster, watched, tmp_path):
+    """The run's newest job on the real local Slurm cluster (a sleep job standing in for the run's job: a real
+    het-job run would cost minutes here): `squeue`'s time left while it runs, its Slurm state after `scancel`."""
+    run_dir = tmp_path / "on-slurm"
+    shutil.copytree(watched[0], run_dir)
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\nsleep 300\n")
+    job = slurm_cluster.sbatch(script, "--time=5", cwd=tmp_path)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    manifest.update(launcher="slurm", job_ids=[str(job)], local_runs=[])
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+    watch = [sys.executable, "-m", "rollout_hpc", "watch", str(run_dir), "--once"]
+    try:
+        slurm_cluster.wait_state(job, {"RUNNING"})
+        shown = subprocess.run(watch, env=slurm_cluster.env, capture_output=True, text=True, timeout=60).stdout
+        assert re.search(r"allocation ends in\s+[0-4]:\d\d", shown) and f"job {job} RUNNING" in shown, shown
+    finally:
+        slurm_cluster.run("scancel", str(job))
+    slurm_cluster.wait_state(job, {"CANCELLED"})
+    shown = subprocess.run(watch, env=slurm_cluster.env, capture_output=True, text=True, timeout=60).stdout
+    assert f"job {job} CANCELLED" in shown and "allocation ends in" not in shown, shown
