@@ -158,13 +158,22 @@ class HFGenerator(Generator):
     """
 
     def __init__(
-        self, model, tokenizer, task, sampling: SamplingParams, seed: int = 0, max_context: int | None = None
+        self,
+        model,
+        tokenizer,
+        task,
+        sampling: SamplingParams,
+        seed: int = 0,
+        max_context: int | None = None,
+        partial_weights: bool = False,
     ) -> None:
         self.model, self.tokenizer, self.task, self.sampling, self.seed = model.eval(), tokenizer, task, sampling, seed
         self.max_context = max_context or getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        # model.lora: a sync holds only the merged adapted layers (the rest is the frozen base this rank built too)
+        self.partial_weights = partial_weights
 
     def load_weights(self, weights: dict[str, Any]) -> None:
-        load_weights_into(self.model, weights)
+        load_weights_into(self.model, weights, complete=not self.partial_weights)
 
     def generate(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams | None = None) -> Generation:
         params = params or self.sampling
@@ -181,8 +190,8 @@ class HFGenerator(Generator):
 
 
 @torch.no_grad()
-def load_weights_into(model, weights: dict[str, Any]) -> None:
-    """Copy {name: array} into the model's parameters and buffers in place (every parameter
+def load_weights_into(model, weights: dict[str, Any], complete: bool = True) -> None:
+    """Copy {name: array} into the model's parameters and buffers in place (with `complete`, every parameter
     must be given; tied parameters once under either name)."""
     state = model.state_dict()
     unknown = [k for k in weights if k not in state]
@@ -192,7 +201,7 @@ def load_weights_into(model, weights: dict[str, Any]) -> None:
         )
     given = {state[k].data_ptr() for k in weights}  # tied parameters share storage
     missing = [name for name, p in model.named_parameters() if name not in weights and p.data_ptr() not in given]
-    if missing:
+    if missing and complete:
         raise KeyError(f"weights missing for {missing[:5]}")
     for name, value in weights.items():
         target = state[name]

@@ -9,8 +9,10 @@ import torch
 
 
 def make_optimizer(params, algorithm) -> torch.optim.Optimizer:
-    """AdamW from algorithm.lr, adam_betas, adam_eps, weight_decay (one parameter group, as verl)."""
+    """AdamW from algorithm.lr, adam_betas, adam_eps, weight_decay (one parameter group, as verl) over the
+    parameters that train (with model.lora: the adapters only)."""
     a = algorithm
+    params = [p for p in params if p.requires_grad]
     return torch.optim.AdamW(params, lr=a.lr, betas=tuple(a.adam_betas), eps=a.adam_eps, weight_decay=a.weight_decay)
 
 

@@ -34,6 +34,7 @@ def lora_config(lora_cfg):
         lora_alpha=lora_cfg.alpha,
         lora_dropout=lora_cfg.dropout,
         target_modules=targets[0] if targets == ["all-linear"] else list(targets),
+        task_type="CAUSAL_LM",  # adapter_config.json says so: PeftModel.from_pretrained gives PeftModelForCausalLM
     )
 
 

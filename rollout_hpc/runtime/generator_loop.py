@@ -122,7 +122,7 @@ def make_generator(cfg, model, tokenizer, task):
             cfg.generator.tensor_parallel,
             model=model if cfg.model.path is None else None,
         )
-    return HFGenerator(model, tokenizer, task, sampling, seed=cfg.run.seed)
+    return HFGenerator(model, tokenizer, task, sampling, seed=cfg.run.seed, partial_weights=cfg.model.lora is not None)
 
 
 def generate_unscored(gen, dataset, prompt_indices, group_size: int, gen_rank: int, version: int):
