@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from rollout_hpc.errors import ModelLoadError  # noqa: F401  (re-exported: models.ModelLoadError)
+from rollout_hpc.models.tokenizer import CharTokenizer, save_builtin_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -32,6 +34,27 @@ def tiny_config(model_cfg, vocab_size: int, pad_id: int = 0, bos_id: int = 1, eo
         bos_token_id=bos_id,
         eos_token_id=eos_id,
     )
+
+
+def builtin_hf_config(model_cfg):
+    """The built-in model's transformers config as a model directory's config.json holds it (architectures set)."""
+    tok = CharTokenizer()
+    config = tiny_config(model_cfg, tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_id)
+    config.architectures = ["LlamaForCausalLM"]
+    return config
+
+
+def save_builtin_model(model_cfg, directory: str | Path, seed: int = 0) -> list[str]:
+    """The built-in model (its initial weights for `seed`, in model.dtype) and its tokenizer as a Hugging Face model
+    directory: config.json, model.safetensors, generation_config.json and the tokenizer files. Loaded back as
+    model.path (build_model, load_tokenizer: the Hugging Face path) it gives the same ids and the same logits as the
+    built-in model. Returns the names written."""
+    if model_cfg.path is not None:
+        raise ValueError(f"save_builtin_model: model.path is set ({model_cfg.path}): that model is no built-in one")
+    model: Any = build_model(model_cfg, CharTokenizer().vocab_size, seed)  # a transformers PreTrainedModel
+    model.save_pretrained(directory)
+    tokenizer_files = save_builtin_tokenizer(directory, model_cfg.max_seq_len)
+    return sorted({"config.json", "model.safetensors", *tokenizer_files})
 
 
 def build_model(model_cfg, vocab_size: int, seed: int = 0) -> torch.nn.Module:

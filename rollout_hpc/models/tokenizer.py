@@ -176,6 +176,19 @@ def save_pretrained_tokenizer(tokenizer, directory: str | Path) -> list[str]:
     return files
 
 
+def save_builtin_tokenizer(directory: str | Path, model_max_length: int | None = None) -> list[str]:
+    """The built-in tokenizer's files, as in a Hugging Face model directory: tokenizer.json, tokenizer_config.json,
+    chat_template.jinja and generation_config.json (bos, eos, pad). Returns the names written."""
+    from transformers import GenerationConfig  # in here: transformers takes seconds to import
+
+    tok = CharTokenizer()
+    files = save_pretrained_tokenizer(tok.to_pretrained_tokenizer(model_max_length), directory)
+    GenerationConfig(bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id).save_pretrained(
+        directory
+    )
+    return [*files, "generation_config.json"]
+
+
 class HFTokenizer:
     """A local AutoTokenizer behind the same interface (pad falls back to eos)."""
 
@@ -200,14 +213,25 @@ class HFTokenizer:
         probe = self._tok.encode("a", add_special_tokens=True)
         self._adds_bos = self.bos_id is not None and bool(probe) and probe[0] == self.bos_id
 
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        try:
+            return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+        except Exception as exc:  # tokenizers raises a bare Exception for a character with no token and no unk token
+            if "Missing [UNK]" not in str(exc):
+                raise
+            raise TaskError(
+                f"model.path {self.path}: the tokenizer has no token for a character of {text[:60]!r} (and no unknown "
+                "token); keep the task's text within its vocabulary (the built-in one: printable ASCII and newline)"
+            ) from None
+
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False))
+        return self._encode(text, add_special_tokens=False)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Raw text with the tokenizer's own special tokens (its post-processor: BOS for Llama, none for Qwen)."""
-        ids = list(self._tok.encode(text, add_special_tokens=True))
-        if not ids or (self.bos_id is not None and ids[0] != self.bos_id and self._adds_bos):
-            ids = [self.bos_id] + ids
+        ids, bos = self._encode(text, add_special_tokens=True), self.bos_id
+        if bos is not None and (not ids or (ids[0] != bos and self._adds_bos)):
+            ids = [bos, *ids]
         return ids or [self.eos_id]
 
     def render_chat(self, messages, template: str | None = None) -> str:
@@ -223,7 +247,7 @@ class HFTokenizer:
     def encode_chat(self, messages, template: str | None = None) -> list[int]:
         # The template writes every special token it wants (Llama 3's BOS, ChatML's <|im_start|>):
         # tokenize with none added, as transformers' apply_chat_template(tokenize=True) does.
-        return list(self._tok.encode(self.render_chat(messages, template), add_special_tokens=False))
+        return self._encode(self.render_chat(messages, template), add_special_tokens=False)
 
     def decode(self, ids, skip_special: bool = True) -> str:
         return self._tok.decode(  # type: ignore[return-value]  # transformers: a str for one sequence
