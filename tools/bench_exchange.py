@@ -13,7 +13,8 @@ Side by side in one run, between two MPI ranks that emulate two nodes (mpirun, R
   ray            Ray object store put/get between two processes (only if ray is installed)
 
 and weight sync: WeightSync.publish (header + chunked intercomm Bcast) to 2 generator ranks vs one raw
-Bcast of the same bytes. Each figure is the median of several rounds; ratios are ours / baseline.
+Bcast of the same bytes; and what one sync of a real model (built-in Llama, hidden 256, 4 layers) sends and takes
+without and with model.lora (rank 8 on q/k/v/o_proj: only the merged adapted layers go out). Each figure is the median of several rounds; ratios are ours / baseline.
 The last line printed is one JSON object with every figure.
 
     python tools/bench_exchange.py --quick     # < 1 minute
@@ -180,13 +181,45 @@ def _weights_part(args) -> dict:
         if rnd >= warmup:
             res["weight_sync"].append(total / (t1 - t0) / 1e9)
             res["raw_bcast"].append(total / (t2 - t1) / 1e9)
+    lora_sync = _lora_sync(world, ws, args.rounds, version)
     ws.close()
     return {
+        "lora_sync": lora_sync,
         "weight_bytes": total,
         "generators": cfg.generator.ranks,
         "gbps": {k: statistics.median(v) for k, v in res.items()},
         "rounds": res,
     }
+
+
+def _lora_sync(world, ws, rounds: int, version: int) -> dict:
+    """Bytes and seconds (median) of one weight sync of the same model: every tensor (a full fine-tune) vs the
+    merged adapted layers of model.lora (what the trainers publish with LoRA)."""
+    from rollout_hpc.config import LoraSection, ModelSection
+    from rollout_hpc.models import build_model, lora
+
+    syncs: dict[str, dict] = {"full": {}, "lora": {}}
+    if world.is_trainer:
+        model = build_model(ModelSection(hidden_size=256, num_layers=4, num_heads=4, max_seq_len=64), 99)
+        syncs["full"] = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
+        lora.apply_lora(model, LoraSection(rank=8))
+        syncs["lora"] = lora.merged_weights(model)
+    out = {}
+    for name, tensors in syncs.items():
+        seconds = []
+        for rnd in range(rounds + 1):  # the first lands in fresh memory
+            world.comm.Barrier()
+            t0 = time.perf_counter()
+            version += 1
+            if world.is_trainer:
+                ws.publish(version, tensors)
+            else:
+                ws.receive(min_version=version, timeout=120)
+            world.comm.Barrier()
+            if rnd:
+                seconds.append(time.perf_counter() - t0)
+        out[name] = {"bytes": sum(t.nbytes for t in tensors.values()), "seconds": statistics.median(seconds)}
+    return out
 
 
 def mpi_main(args) -> None:
@@ -343,6 +376,12 @@ def main() -> None:
         f"weights: {w['weight_bytes'] / 1e6:.0f} MB to {w['generators']} generators: "
         f"weight_sync {w['gbps']['weight_sync']:.3f} GB/s, raw Bcast {w['gbps']['raw_bcast']:.3f} GB/s"
     )
+    ls = w["lora_sync"]
+    ratios["lora_sync_bytes_vs_full"] = ls["lora"]["bytes"] / ls["full"]["bytes"]
+    print(
+        f"weight sync of a {ls['full']['bytes'] / 1e6:.1f} MB model: full {ls['full']['seconds'] * 1e3:.2f} ms, "
+        f"LoRA (merged q/k/v/o_proj) {ls['lora']['bytes'] / 1e6:.1f} MB in {ls['lora']['seconds'] * 1e3:.2f} ms"
+    )
     for k, v in ratios.items():
         print(f"  {k:28s} {v:6.2f}x")
     summary = {
@@ -358,6 +397,7 @@ def main() -> None:
             "generators": w["generators"],
             **{f"{k}_gbps": v for k, v in w["gbps"].items()},
         },
+        "lora_sync": ls,
         "ratios": ratios,
         "targets": {"exchange_vs_raw_mpi": 0.9, "exchange_vs_ray": 3.0},
         "seconds": time.perf_counter() - t_start,
