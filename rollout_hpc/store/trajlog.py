@@ -292,6 +292,7 @@ class TrajectoryLog:
         if not self._pending:
             return
         batch = TrajectoryBatch.concat([b for b, _, _ in self._pending])
+        self._check_space(batch.fixed.nbytes + sum(getattr(batch, name).nbytes for name, _, _ in RAGGED))
         steps = np.concatenate([np.full(len(b), s, np.int64) for b, s, _ in self._pending])
         versions = np.concatenate([np.full(len(b), v, np.int64) for b, _, v in self._pending])
         self._pending, self._pending_rows = [], 0
@@ -359,6 +360,17 @@ class TrajectoryLog:
         self._progress[0:2] = (self._rows, self._metric_rows)
         self._f.flush()
         self._tell("flush")
+
+    # HDF5 does not survive a full disk gracefully (errors in object destructors, even a crash): rows are only
+    # written while the file system has room for them uncompressed plus this much for HDF5's own metadata.
+    SPACE_MARGIN = 256 << 10
+
+    def _check_space(self, nbytes: int) -> None:
+        if atomic.free_bytes(self.path.parent) < nbytes + self.SPACE_MARGIN:
+            raise TrajectoryLogError(
+                f"no space left to log trajectories to {self.path}: {atomic.space_note(self.path.parent)}. Free "
+                f"space there, then `rollout-hpc resume {self.path.parent}` continues from the newest checkpoint"
+            )
 
     @property
     def rows(self) -> int:
