@@ -1,10 +1,13 @@
-"""The built-in model and tokenizer as a Hugging Face model directory (models.build.save_builtin_model): loaded back
-through the Hugging Face path (model.path: HFTokenizer over AutoTokenizer, AutoModelForCausalLM), in this process
-and in a fresh one with transformers only, it gives the built-in tokenizer's ids and the built-in model's logits."""
+"""The built-in tokenizer as a Hugging Face tokenizer, and the built-in model and tokenizer as a Hugging Face model
+directory (models.build.save_builtin_model): the ranks' tokenizer (load_tokenizer: a PreTrainedTokenizerFast) and
+the saved directory loaded back through the Hugging Face path (model.path: AutoTokenizer, AutoModelForCausalLM),
+in this process and in a fresh one with transformers only, give CharTokenizer's ids and the built-in model's
+logits."""
 
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 
@@ -70,9 +73,12 @@ def builtin_dir(tmp_path_factory):
     return directory
 
 
-def test_the_saved_directory_loads_through_the_hf_path_with_the_same_ids(builtin_dir):
+@pytest.mark.parametrize("source", ["the ranks' built-in tokenizer", "the saved directory as model.path"])
+def test_the_hf_tokenizer_has_the_builtin_ids(builtin_dir, source):
+    # The ranks' tokenizer (load_tokenizer) is a PreTrainedTokenizerFast for the built-in model as for model.path
     char = CharTokenizer()
-    hf = load_tokenizer(ModelSection(**TINY, path=str(builtin_dir)))
+    path = None if source.startswith("the ranks") else str(builtin_dir)
+    hf = load_tokenizer(ModelSection(**TINY, path=path))
     assert isinstance(hf, HFTokenizer)
     assert (hf.vocab_size, hf.pad_id, hf.bos_id, hf.eos_id, hf.stop_ids) == (99, 0, 1, 2, (2,))
     assert hf.chat_template == char.chat_template
@@ -84,6 +90,12 @@ def test_the_saved_directory_loads_through_the_hf_path_with_the_same_ids(builtin
         assert hf.decode(ids, skip_special=False) == char.decode(ids, skip_special=False) == text
     assert hf.render_chat(MESSAGES) == char.render_chat(MESSAGES)
     assert hf.encode_chat(MESSAGES) == char.encode_chat(MESSAGES)
+    rng = random.Random(0)
+    alphabet = CharTokenizer.CHARS + "  \n\n"
+    for text in ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 80))) for _ in range(200)]:
+        if "<s>" not in text and "</s>" not in text and "<pad>" not in text:
+            assert hf.encode_prompt(text) == char.encode_prompt(text)
+            assert hf.decode([*hf.encode_prompt(text), 2, 0]) == char.decode([*char.encode_prompt(text), 2, 0]) == text
     for text in UNICODE:  # both refuse (a user error naming the vocabulary) rather than drop or replace characters
         with pytest.raises(UserError, match="vocabulary"):
             char.encode(text)

@@ -1,5 +1,6 @@
-"""Tokenizers behind one small interface: the built-in character tokenizer (made in
-code, nothing to download) and a wrapper around a local Hugging Face tokenizer.
+"""Tokenizers behind one small interface: HFTokenizer, a Hugging Face tokenizer (a local model directory's, or the
+built-in vocabulary as a PreTrainedTokenizerFast: what the ranks use, load_tokenizer), and CharTokenizer, the
+built-in character vocabulary itself (made in code, nothing to download; decodes without importing transformers).
 
 Interface: encode(text) -> list[int] (no special tokens), encode_prompt(text) (raw text: the
 tokenizer's own special tokens, i.e. BOS where it has one), encode_chat(messages) (the chat
@@ -16,7 +17,7 @@ import os
 import re
 import string
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import tokenizers
 import yaml
@@ -24,6 +25,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from rollout_hpc.config import ModelSection
 from rollout_hpc.errors import ModelLoadError, TaskError
+
+if TYPE_CHECKING:  # for annotations only: transformers takes seconds to import
+    from transformers import PreTrainedTokenizerBase
 
 
 class Tokenizer(Protocol):
@@ -190,26 +194,22 @@ def save_builtin_tokenizer(directory: str | Path, model_max_length: int | None =
 
 
 class HFTokenizer:
-    """A local AutoTokenizer behind the same interface (pad falls back to eos)."""
+    """A Hugging Face tokenizer behind the same interface (pad falls back to eos): a local model directory's
+    (AutoTokenizer, `path`), or one made in code (`tokenizer`: the built-in one, see load_tokenizer)."""
 
-    def __init__(self, path: str) -> None:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoTokenizer  # in here: seconds to import; the built-in tokenizer needs none
-
-        try:
-            self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"model.path {path}: no usable tokenizer in that directory ({exc})") from None
+    def __init__(self, path: str | None, tokenizer=None) -> None:
+        self.path = path
+        self.source = f"model.path {path}" if path else "the built-in tokenizer"  # for messages
+        self._tok: PreTrainedTokenizerBase = _auto_tokenizer(path) if tokenizer is None else tokenizer
         if self._tok.eos_token_id is None:
-            raise ModelLoadError(f"model.path {path}: the tokenizer has no EOS token, so responses could never end")
+            raise ModelLoadError(f"{self.source}: the tokenizer has no EOS token, so responses could never end")
         self.eos_id = int(self._tok.eos_token_id)
         self.pad_id = int(self._tok.pad_token_id) if self._tok.pad_token_id is not None else self.eos_id
         self.bos_id = int(self._tok.bos_token_id) if self._tok.bos_token_id is not None else None
         self.vocab_size = len(self._tok)
-        self.path = path
         self.chat_template = self._tok.chat_template if isinstance(self._tok.chat_template, str) else None
         # Instruct models stop at several ids (Qwen2.5: <|im_end|> and <|endoftext|>; Llama 3: <|eot_id|> too).
-        self.stop_ids = tuple(dict.fromkeys([self.eos_id, *generation_stop_ids(path)]))
+        self.stop_ids = tuple(dict.fromkeys([self.eos_id, *(generation_stop_ids(path) if path else [])]))
         probe = self._tok.encode("a", add_special_tokens=True)
         self._adds_bos = self.bos_id is not None and bool(probe) and probe[0] == self.bos_id
 
@@ -220,7 +220,7 @@ class HFTokenizer:
             if "Missing [UNK]" not in str(exc):
                 raise
             raise TaskError(
-                f"model.path {self.path}: the tokenizer has no token for a character of {text[:60]!r} (and no unknown "
+                f"{self.source}: the tokenizer has no token for a character of {text[:60]!r} (and no unknown "
                 "token); keep the task's text within its vocabulary (the built-in one: printable ASCII and newline)"
             ) from None
 
@@ -237,7 +237,7 @@ class HFTokenizer:
     def render_chat(self, messages, template: str | None = None) -> str:
         if template is None and self.chat_template is None:
             raise ModelLoadError(
-                f"model.path {self.path}: the tokenizer has no chat template; set "
+                f"{self.source}: the tokenizer has no chat template; set "
                 "task.params.chat_template to none (raw text) or to a .jinja file"
             )
         return self._tok.apply_chat_template(  # type: ignore[return-value]  # transformers: str with tokenize=False
@@ -255,6 +255,16 @@ class HFTokenizer:
         )
 
 
+def _auto_tokenizer(path) -> PreTrainedTokenizerBase:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer  # in here: seconds to import (rollout-hpc samples decodes without it)
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"model.path {path}: no usable tokenizer in that directory ({exc})") from None
+
+
 def generation_stop_ids(path: str | Path) -> list[int]:
     """eos_token_id of a model directory's generation_config.json (an int or a list; [] when absent)."""
     file = Path(path) / "generation_config.json"
@@ -270,9 +280,10 @@ def generation_stop_ids(path: str | Path) -> list[int]:
 
 
 def load_tokenizer(model_cfg) -> Tokenizer:
-    """The tokenizer for `cfg.model`: built-in characters when model.path is None."""
+    """The tokenizer the ranks use for `cfg.model`: a Hugging Face tokenizer, the model directory's, or when
+    model.path is None the built-in one as a PreTrainedTokenizerFast (the object export-model saves; same ids)."""
     if model_cfg.path is None:
-        return CharTokenizer()
+        return HFTokenizer(None, CharTokenizer().to_pretrained_tokenizer())
     return HFTokenizer(model_cfg.path)
 
 
@@ -282,4 +293,7 @@ def load_tokenizer_for_run(run_dir: str | Path) -> Tokenizer:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: is {run_dir} a run directory (made by `rollout-hpc submit`)?")
     data = yaml.safe_load(path.read_text()) or {}
-    return load_tokenizer(ModelSection.model_validate(data.get("model", {})))
+    section = ModelSection.model_validate(data.get("model", {}))
+    # For decoding (rollout-hpc samples): CharTokenizer decodes the built-in ids as the ranks' tokenizer does
+    # (tested id for id) without importing transformers.
+    return CharTokenizer() if section.path is None else HFTokenizer(section.path)
