@@ -68,7 +68,9 @@ class StuckPrompts:
 """
 
 
-def write_config(tmp: Path, name: str, *, task: str, steps: int, prompts: int = 2, run: str = "") -> Path:
+def write_config(
+    tmp: Path, name: str, *, task: str, steps: int, prompts: int = 2, run: str = "", extra: str = ""
+) -> Path:
     (tmp / "rewards.py").write_text(REWARDS)
     (tmp / "stuck.py").write_text(STUCK_TASK)
     path = tmp / f"{name}.yaml"
@@ -78,7 +80,7 @@ launcher: local
 task: {task}
 algorithm: {{steps: {steps}, prompts_per_step: {prompts}, group_size: 4, max_new_tokens: 1}}
 checkpoint: {{every_steps: 50, keep_last: 2}}
-""")
+{extra}""")
     return path
 
 

@@ -22,6 +22,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -214,26 +215,44 @@ def probe_command(cfg: Config, spec: dict, in_allocation: bool) -> list[str]:
 def run_probe(cfg: Config, run_dir: Path, in_allocation: bool, timeout: float) -> tuple[list[dict] | None, str]:
     """(facts of every rank, or None; the command's output when it failed)."""
     token = _existing(run_dir) / f".rollout-doctor-{secrets.token_hex(4)}"
-    spec = {
-        "token": str(token),
-        "ring_dir": cfg.exchange.ring_dir,
-        "paths": needed_paths(cfg),
-    }
+    spec = {"token": str(token), "ring_dir": cfg.exchange.ring_dir, "paths": needed_paths(cfg)}
     try:
         cmd = probe_command(cfg, spec, in_allocation)
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=launch_env())
+        result, output = _result_line(cmd, timeout)
     except UserError as exc:  # no mpirun here
         return None, str(exc)
     except FileNotFoundError as exc:
         return None, f"{exc.filename} not found"
-    except subprocess.TimeoutExpired:
-        return None, f"no answer within {timeout:g}s: {shlex.join(cmd[:6])} ..."
     finally:
         token.unlink(missing_ok=True)
-    for line in done.stdout.splitlines():
-        if line.startswith(_MARK):
-            return json.loads(line[len(_MARK) :]), ""
-    return None, f"exit {done.returncode}: {(done.stdout + done.stderr).strip()[-600:]}"
+    if result is None:
+        return None, output.strip()[-600:] or f"no answer within {timeout:g}s: {shlex.join(cmd[:6])} ..."
+    return json.loads(result[len(_MARK) :]), ""
+
+
+def _result_line(cmd: list[str], timeout: float) -> tuple[str | None, str]:
+    """(the probe's result line or None, all output). Stops waiting once the line is there: Slurm 22.05's srun may
+    never exit after a het step with --mpi=pmix ended (slurm/rollout.sbatch works around the same)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=launch_env())
+    lines: list[str] = []
+    done = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None  # stdout=PIPE
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith(_MARK):
+                done.set()
+        done.set()  # end of output
+
+    threading.Thread(target=read, name="doctor-probe-output", daemon=True).start()
+    done.wait(timeout)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    return next((line for line in lines if line.startswith(_MARK)), None), "".join(lines)
 
 
 # --- the checks ---------------------------------------------------------------------------------------------------
