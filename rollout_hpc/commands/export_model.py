@@ -20,6 +20,7 @@ def cmd_export_model(args: argparse.Namespace) -> int:
         force=args.force,
         progress=not args.quiet and not args.json,
         warn=lambda line: err.print(f"rollout-hpc: {line}", markup=False, highlight=False),
+        adapter_only=args.adapter_only,
     )
     if args.json:
         print(json.dumps({k: v for k, v in result.info.items() if k != "config"} | {"out": str(result.out)}, indent=2))
@@ -41,12 +42,12 @@ def cmd_export_model(args: argparse.Namespace) -> int:
         f"  weights sha256  {result.info['weights_sha256']} (the checkpoint's, as `rollout-hpc ckpt` shows)",
         markup=False,
     )
-    out.print(
-        f"  load it with    AutoModelForCausalLM.from_pretrained({str(result.out)!r}), "
-        f"AutoTokenizer.from_pretrained({str(result.out)!r})",
-        markup=False,
-        highlight=False,
+    load = (
+        f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), {str(result.out)!r})"
+        if args.adapter_only
+        else f"AutoModelForCausalLM.from_pretrained({str(result.out)!r}), AutoTokenizer.from_pretrained({str(result.out)!r})"
     )
+    out.print(f"  load it with    {load}", markup=False, highlight=False)
     return 0
 
 
@@ -87,6 +88,18 @@ def register(subparsers) -> None:
         default="5GB",
         metavar="SIZE",
         help="largest safetensors file before the weights are split (default 5GB; 500MB, 2GiB, ...)",
+    )
+    lora = p.add_mutually_exclusive_group()
+    lora.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="a LoRA run (model.lora): merge the adapters into the base model and write a full model (the default)",
+    )
+    lora.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="a LoRA run: write only the adapters in the PEFT layout (adapter_config.json, adapter_model.safetensors) "
+        "for peft.PeftModel.from_pretrained(base, DIR)",
     )
     p.add_argument("--force", action="store_true", help="replace DIR if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -14,6 +14,9 @@ under "weights"; a sharded one (DeepSpeed ZeRO) holds the full weights in shard 
 master value in the optimizer share of the shard that owns it (backends/train_deepspeed.py): every shard is
 verified and the masters of all of them are merged over shard 0's weights (Megatron: shard 0's weights, in
 Hugging Face names). Tied parameters (lm_head = embed_tokens) are written once, as save_pretrained does.
+A LoRA run's checkpoints hold only the adapters (model.lora): the base is rebuilt from the run's config (model.path,
+the seeded built-in model, model.init_from) and the adapters merged into it (models/lora.py), or, with
+lora="adapter", written alone in the PEFT layout (adapter_config.json + adapter_model.safetensors).
 The directory is assembled beside OUT and renamed into place, so an interrupted export leaves no OUT.
 """
 
@@ -41,8 +44,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 import rollout_hpc
 from rollout_hpc.config import ModelSection
 from rollout_hpc.errors import ExportError
-from rollout_hpc.models.build import tiny_config
-from rollout_hpc.models.tokenizer import CharTokenizer, save_pretrained_tokenizer
+from rollout_hpc.models import lora
+from rollout_hpc.models.build import build_model, builtin_hf_config
+from rollout_hpc.models.tokenizer import CharTokenizer, save_builtin_tokenizer
 from rollout_hpc.store.checkpoint import (
     CheckpointCorrupt,
     checkpoint_dir,
@@ -76,6 +80,7 @@ class PolicyCheckpoint:
     weights_sha256: str  # store.weights_digest of the checkpoint (what `rollout-hpc ckpt` prints)
     source: str  # "weights", or "weights + fp32 masters of N shards"
     damaged: list[str] = field(default_factory=list)  # newer checkpoints passed over, one line each
+    adapter: dict[str, Any] | None = None  # a LoRA run: the checkpoint's adapter tensors (weights: merged)
 
 
 @dataclass
@@ -132,8 +137,37 @@ def _read(info) -> PolicyCheckpoint:
 
 
 def read_policy(run_dir: str | Path, step: int | None = None) -> PolicyCheckpoint:
-    """The newest checkpoint that verifies (damaged newer ones are named in `.damaged`), or exactly `step`."""
-    run_dir = Path(run_dir)
+    """The newest checkpoint that verifies (damaged newer ones are named in `.damaged`), or exactly `step`.
+    A LoRA run's adapters come merged into its base model (`.weights`; the adapters alone in `.adapter`)."""
+    policy = _find_policy(Path(run_dir), step)
+    model_cfg = run_model_section(Path(run_dir), policy.meta)
+    if model_cfg.lora is not None:
+        policy.adapter = policy.weights
+        policy.weights = lora.merged_weights(adapted_base(Path(run_dir), policy).get_base_model(), full=True)
+        policy.source += f" (LoRA adapters merged into {model_cfg.path or 'the built-in model'})"
+    return policy
+
+
+def adapted_base(run_dir: Path, policy: PolicyCheckpoint):
+    """The run's base model (model.path, the seeded built-in model, model.init_from's weights) with the
+    checkpoint's LoRA adapters in it (what its trainer trained), as a peft.PeftModel."""
+    config = policy.meta.get("config") or {}
+    model_cfg = run_model_section(run_dir, policy.meta)
+    base = build_model(
+        model_cfg,
+        CharTokenizer().vocab_size if model_cfg.path is None else 0,
+        seed=int((config.get("run") or {}).get("seed", 0)),
+    )
+    if model_cfg.init_from:
+        start = init_weights(model_cfg.init_from).weights
+        base.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in start.items()}, strict=False)
+    peft_model = lora.apply_lora(base, model_cfg.lora)
+    assert policy.adapter is not None  # read_policy sets it for a LoRA checkpoint
+    lora.load_adapter_weights(base, policy.adapter)
+    return peft_model
+
+
+def _find_policy(run_dir: Path, step: int | None) -> PolicyCheckpoint:
     infos = list_checkpoints(run_dir)
     if not infos:
         hint = (
@@ -203,9 +237,7 @@ def run_model_section(run_dir: Path, meta: dict):
 def hf_config(model_cfg, dtype: str):
     """The transformers config of the run's model, with `dtype` and `architectures` set."""
     if model_cfg.path is None:
-        tok = CharTokenizer()
-        config = tiny_config(model_cfg, tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_id)
-        config.architectures = ["LlamaForCausalLM"]
+        config = builtin_hf_config(model_cfg)
     else:
         base = Path(model_cfg.path)
         if not (base / "config.json").is_file():
@@ -323,13 +355,8 @@ def write_weights(
 
 def write_tokenizer_and_generation_config(directory: Path, model_cfg, config) -> list[str]:
     """Tokenizer files and generation_config.json; returns the names written."""
-    if model_cfg.path is None:
-        tok = CharTokenizer()
-        files = save_pretrained_tokenizer(tok.to_pretrained_tokenizer(model_cfg.max_seq_len), directory)
-        GenerationConfig(bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id).save_pretrained(
-            directory
-        )
-        return [*files, "generation_config.json"]
+    if model_cfg.path is None:  # the same files as the built-in model saved as a model directory (save_builtin_model)
+        return save_builtin_tokenizer(directory, model_cfg.max_seq_len)
     base, files = Path(model_cfg.path), []
     for entry in sorted(base.iterdir()):
         if entry.is_file() and not _NOT_COPIED.search(entry.name):
@@ -354,11 +381,13 @@ def export_model(
     force: bool = False,
     progress: bool = False,
     warn=None,
+    adapter_only: bool = False,
 ) -> ExportResult:
     """Write OUT as a Hugging Face model directory of RUN_DIR's policy (see the module doc).
 
     dtype: bfloat16 | float16 | float32 (default: the run's model.dtype). force: replace an existing OUT.
-    warn(line): called once per damaged newer checkpoint passed over (default: print to stderr)."""
+    warn(line): called once per damaged newer checkpoint passed over (default: print to stderr).
+    adapter_only: a LoRA run's adapters alone, in the PEFT layout (default: merged into a full model)."""
     run_dir, out = Path(os.path.abspath(run_dir)), Path(os.path.abspath(out))
     if not run_dir.is_dir():
         raise ExportError(f"run directory {run_dir} does not exist")
@@ -379,6 +408,8 @@ def export_model(
     if model_cfg.path is not None and Path(os.path.abspath(model_cfg.path)) in (out, *out.parents):
         raise ExportError(f"--out {out} would overwrite the run's base model {model_cfg.path}")
     dtype = dtype or model_cfg.dtype
+    if adapter_only and policy.adapter is None:
+        raise ExportError(f"--adapter-only: {run_dir} is not a LoRA run (no model.lora); export the full model")
     config = hf_config(model_cfg, dtype)
     arch, names = expected_tensors(config)
     missing = [n for n in names if n not in policy.weights]
@@ -398,10 +429,15 @@ def export_model(
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     try:
-        weight_files, total = write_weights(partial, policy.weights, names, dtype, max_bytes, progress)
-        config.save_pretrained(partial)
-        other = write_tokenizer_and_generation_config(partial, model_cfg, config)
-        files = ["config.json", *other, *weight_files]
+        if adapter_only:
+            files, total = write_adapter(partial, run_dir, policy, dtype)
+            names = policy.adapter or {}
+            arch = f"LoRA adapters for {arch}"
+        else:
+            weight_files, total = write_weights(partial, policy.weights, names, dtype, max_bytes, progress)
+            config.save_pretrained(partial)
+            other = write_tokenizer_and_generation_config(partial, model_cfg, config)
+            files = ["config.json", *other, *weight_files]
         meta = policy.meta
         info = {
             "format": EXPORT_FORMAT,
@@ -452,6 +488,17 @@ def export_model(
         info,
         policy.damaged,
     )
+
+
+def write_adapter(directory: Path, run_dir: Path, policy: PolicyCheckpoint, dtype: str) -> tuple[list[str], int]:
+    """adapter_config.json + adapter_model.safetensors (peft's save_pretrained; `PeftModel.from_pretrained(base,
+    DIR)` loads it, base = model.path, or the built-in model for a run without one); returns (files, bytes)."""
+    peft_model = adapted_base(run_dir, policy)
+    base = run_model_section(run_dir, policy.meta).path
+    peft_model.peft_config[lora.ADAPTER].base_model_name_or_path = str(Path(base).resolve()) if base else None
+    peft_model.to(getattr(torch, dtype)).save_pretrained(directory)
+    files = sorted(p.name for p in directory.iterdir())  # the adapter files and peft's model card README.md
+    return files, sum((directory / f).stat().st_size for f in files if f.endswith(".safetensors"))
 
 
 def _tied_names(config, names) -> set[str]:
