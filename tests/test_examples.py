@@ -44,7 +44,14 @@ def test_mixture_example_validates_on_the_sample_data(tmp_path):
     }
     args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     done = subprocess.run(
-        [sys.executable, "-m", "rollout_hpc", "validate", str(REPO / "configs/examples/grpo-math-code-mix.yaml"), *args],
+        [
+            sys.executable,
+            "-m",
+            "rollout_hpc",
+            "validate",
+            str(REPO / "configs/examples/grpo-math-code-mix.yaml"),
+            *args,
+        ],
         capture_output=True,
         text=True,
         timeout=300,
