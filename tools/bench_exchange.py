@@ -163,14 +163,8 @@ def _weights_part(args) -> dict:
     version = 0
     warmup = 2  # the first two versions land in fresh memory (page faults); later ones reuse it
     for rnd in range(args.rounds + warmup):
-        world.comm.Barrier()
-        t0 = time.perf_counter()
         version += 1
-        if world.is_trainer:
-            ws.publish(version, tensors)
-        else:
-            ws.receive(min_version=version, timeout=120)
-        world.comm.Barrier()
+        sync_s = _one_sync(world, ws, version, tensors)
         t1 = time.perf_counter()
         if world.is_trainer:
             comm.Bcast([flat, MPI.BYTE], root=MPI.ROOT)
@@ -179,7 +173,7 @@ def _weights_part(args) -> dict:
         world.comm.Barrier()
         t2 = time.perf_counter()
         if rnd >= warmup:
-            res["weight_sync"].append(total / (t1 - t0) / 1e9)
+            res["weight_sync"].append(total / sync_s / 1e9)
             res["raw_bcast"].append(total / (t2 - t1) / 1e9)
     lora_sync = _lora_sync(world, ws, args.rounds, version)
     ws.close()
@@ -190,6 +184,19 @@ def _weights_part(args) -> dict:
         "gbps": {k: statistics.median(v) for k, v in res.items()},
         "rounds": res,
     }
+
+
+def _one_sync(world, ws, version: int, tensors: dict) -> float:
+    """Seconds of one weight sync between two world barriers: trainers publish `version`, generators
+    receive it."""
+    world.comm.Barrier()
+    t0 = time.perf_counter()
+    if world.is_trainer:
+        ws.publish(version, tensors)
+    else:
+        ws.receive(min_version=version, timeout=120)
+    world.comm.Barrier()
+    return time.perf_counter() - t0
 
 
 def _lora_sync(world, ws, rounds: int, version: int) -> dict:
@@ -208,16 +215,10 @@ def _lora_sync(world, ws, rounds: int, version: int) -> dict:
     for name, tensors in syncs.items():
         seconds = []
         for rnd in range(rounds + 1):  # the first lands in fresh memory
-            world.comm.Barrier()
-            t0 = time.perf_counter()
             version += 1
-            if world.is_trainer:
-                ws.publish(version, tensors)
-            else:
-                ws.receive(min_version=version, timeout=120)
-            world.comm.Barrier()
+            sync_s = _one_sync(world, ws, version, tensors)
             if rnd:
-                seconds.append(time.perf_counter() - t0)
+                seconds.append(sync_s)
         out[name] = {"bytes": sum(t.nbytes for t in tensors.values()), "seconds": statistics.median(seconds)}
     return out
 
