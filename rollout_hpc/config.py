@@ -621,20 +621,23 @@ class Config(_Section):
                 "trainer.pipeline_parallel > 1 is not wired into the RL loop yet; set it to 1 and split the model with "
                 "trainer.tensor_parallel (the remaining trainer ranks are data parallel)"
             )
-        if self.trainer.backend == "megatron" and self.algorithm.name == "ppo":
+        needs_critic = ALGORITHMS[self.algorithm.name].needs_critic
+        critic_free = ", ".join(row.name for row in ALGORITHMS.values() if not row.needs_critic)
+        if self.trainer.backend == "megatron" and needs_critic:
             raise ValueError(
-                "algorithm.name 'ppo' needs a critic, which trainer.backend 'megatron' does not have; use trainer.backend "
-                "'deepspeed' (zero_stage 3 shards policy and critic) or 'torch', or a critic-free algorithm (grpo, dapo, rloo, reinforce_pp)"
+                f"algorithm.name '{self.algorithm.name}' needs a critic, which trainer.backend 'megatron' does not "
+                "have; use trainer.backend 'deepspeed' (zero_stage 3 shards policy and critic) or 'torch', or a "
+                f"critic-free algorithm ({critic_free})"
             )
         if self.model.lora and self.trainer.backend == "megatron":
             raise ValueError(
                 "model.lora is not supported by trainer.backend 'megatron'; use trainer.backend 'torch' or "
                 "'deepspeed' for LoRA, or remove model.lora"
             )
-        if self.model.lora and self.algorithm.name == "ppo":
+        if self.model.lora and needs_critic:
             raise ValueError(
-                "model.lora with algorithm.name 'ppo': the critic cannot train LoRA adapters yet; use a critic-free "
-                "algorithm (grpo, dapo, rloo, reinforce_pp) or remove model.lora"
+                f"model.lora with algorithm.name '{self.algorithm.name}': the critic cannot train LoRA adapters yet; "
+                f"use a critic-free algorithm ({critic_free}) or remove model.lora"
             )
         if self.warmup.sft_steps and self.run.program == "train" and self.algorithm.kl_coef > 0:
             raise ValueError(
