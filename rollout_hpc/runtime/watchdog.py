@@ -187,6 +187,7 @@ class Watchdog:
             self.comm.send(saves, dest=status.Get_source(), tag=_TAG_ACK)
 
     def _hung(self, idle: float) -> None:
+        faulthandler.cancel_dump_traceback_later()  # this thread ends the job from here
         w = self.world
         step = "before its first step" if not self.last_step else f"after step {self.last_step}"
         where = _where(threading.main_thread().ident)
