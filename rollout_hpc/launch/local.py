@@ -20,7 +20,7 @@ from rollout_hpc.config import Config
 from rollout_hpc.errors import UserError
 from rollout_hpc.launch import rundir
 from rollout_hpc.launch.executables import require_executable
-from rollout_hpc.rundir_layout import CHECKPOINTS, EXIT_CONTINUE
+from rollout_hpc.rundir_layout import EXIT_CONTINUE
 from rollout_hpc.store.atomic import is_disk_full, space_note
 
 # Signals the foreground process passes on to mpirun; mpirun forwards USR1/USR2 to every rank
@@ -160,8 +160,10 @@ def run_local(cfg: Config, run_dir: Path, console: Console | None = None) -> int
             f"the run checkpointed and stopped early; continue it with `rollout-hpc resume {run_dir}`", markup=False
         )
     elif exit_code != 0:
-        saved = sorted((run_dir / CHECKPOINTS).glob("step-*"))
-        where = f"from its newest checkpoint ({saved[-1].name})" if saved else "from the start (no checkpoint yet)"
+        from rollout_hpc.store.checkpoint import list_checkpoints  # h5py: not when the CLI starts
+
+        saved = list_checkpoints(run_dir)  # published ones only: never a crashed save's .tmp file
+        where = f"from its newest checkpoint ({saved[-1].path.name})" if saved else "from the start (no checkpoint yet)"
         console.print(
             f"the run ended early (exit {exit_code}: an error above, or a rank was killed); nothing checkpointed is "
             f"lost: once the cause is fixed, `rollout-hpc resume {run_dir}` continues it {where}",
