@@ -140,7 +140,7 @@ def test_architecture_doc_states_the_same_order():
         ("from ..store import trajlog", "rollout_hpc.exchange.forward", 0),  # relative, down
         ("from . import atomic", "rollout_hpc.store.checkpoint", 0),  # same unit
         ("from rollout_hpc import __version__", "rollout_hpc.launch.render", 0),  # the package root is the bottom
-        ("from rollout_hpc.runtime import loop", "rollout_hpc.analysis.summary", 0),  # down
+        ("from rollout_hpc.runtime import train_program", "rollout_hpc.analysis.summary", 0),  # down
         ("import numpy, rollout_hpc.cli", "rollout_hpc.config", 1),  # plain import, up
     ],
 )

@@ -81,7 +81,7 @@ def test_same_seed_gives_identical_weights(tmp_path):
         digests.append(final_digest(tmp_path / name))
     assert digests[0] == digests[1]
     # Training moved the weights away from the (seeded, hence also equal) initial ones.
-    from rollout_hpc.runtime.loop import build_policy
+    from rollout_hpc.runtime.train_program import build_policy
 
     cfg = write_config(tmp_path / "init", [*TINY, "run.seed=3"])
     initial = {k: v.numpy() for k, v in build_policy(cfg)[0].state_dict().items()}

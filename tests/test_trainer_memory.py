@@ -17,7 +17,7 @@ import torch
 from rollout_hpc.backends import trainer as T
 from rollout_hpc.config import ConfigError, load_config
 from rollout_hpc.models import build_model
-from rollout_hpc.runtime import batching
+from rollout_hpc.runtime import objective, records
 
 VOCAB = 40
 
@@ -49,7 +49,7 @@ def model_for(cfg):
 
 
 def rl_batch(cfg, n_groups=4, seed=0):
-    """A step's tensors as batching.collate makes them: varying prompt/response lengths, right-padded."""
+    """A step's tensors as records.collate makes them: varying prompt/response lengths, right-padded."""
     g = torch.Generator().manual_seed(seed)
     B = n_groups * cfg.algorithm.group_size
     plen = torch.randint(2, 6, (B,), generator=g)
@@ -111,14 +111,14 @@ def step_gradients(world, cfg, reference=None):
         ref = -torch.rand(tensors["mask"].shape, generator=torch.Generator().manual_seed(5)) * tensors["mask"]
     else:
         ref = reference(model, tensors)
-    batching.add_advantages(cfg, tensors, ref, values)
+    objective.add_advantages(cfg, tensors, ref, values)
     if critic:  # a critic that is not all zeros, so its gradients are informative
         tensors["returns"] = (
             tensors["returns"]
             + torch.randn(tensors["returns"].shape, generator=torch.Generator().manual_seed(7)) * tensors["mask"]
         )
     agg = cfg.algorithm.loss_agg
-    g, stats = grads_after(trainer, lambda: trainer.train_step(tensors, batching.make_loss_fn(cfg), agg=agg))
+    g, stats = grads_after(trainer, lambda: trainer.train_step(tensors, objective.make_loss_fn(cfg), agg=agg))
     cg = grads_after(critic.trainer, lambda: critic.train_step(tensors))[0] if critic else None
     return g, stats, cg, values, ref
 
@@ -220,8 +220,8 @@ def test_gradient_checkpointing_same_gradients(world):
         cfg = make_cfg(f"trainer.gradient_checkpointing={on}", "trainer.micro_batch_size=5")
         trainer = T.make_trainer(cfg, model_for(cfg), world)
         tensors = rl_batch(cfg, seed=2)
-        batching.add_advantages(cfg, tensors, None, None)
-        out.append(grads_after(trainer, lambda: trainer.train_step(tensors, batching.make_loss_fn(cfg)))[0])
+        objective.add_advantages(cfg, tensors, None, None)
+        out.append(grads_after(trainer, lambda: trainer.train_step(tensors, objective.make_loss_fn(cfg)))[0])
     assert_grads_close(out[0], out[1], rtol=1e-5)
 
 
@@ -233,8 +233,8 @@ def test_gradient_checkpointing_recomputes(world):
     forward = mlp.forward  # (module hooks do not fire in torch's recompute: count calls of forward itself)
     mlp.forward = lambda *a, **k: (calls.append(1), forward(*a, **k))[1]
     tensors = rl_batch(cfg, seed=2)
-    batching.add_advantages(cfg, tensors, None, None)
-    trainer.train_step(tensors, batching.make_loss_fn(cfg))
+    objective.add_advantages(cfg, tensors, None, None)
+    trainer.train_step(tensors, objective.make_loss_fn(cfg))
     assert len(calls) == 2  # forward, and again in backward
 
 
@@ -291,8 +291,8 @@ def test_resume_mid_warmup_is_bitwise(world):
     ]
     cfg = make_cfg(*over)
     tensors = rl_batch(cfg, seed=9)
-    batching.add_advantages(cfg, tensors, None, None)
-    loss_fn = batching.make_loss_fn(cfg)
+    objective.add_advantages(cfg, tensors, None, None)
+    loss_fn = objective.make_loss_fn(cfg)
     model = model_for(cfg)
 
     straight = T.make_trainer(cfg, copy.deepcopy(model), world)
@@ -322,20 +322,20 @@ def test_mini_batch_epochs(world):
     # on-policy behaviour log-probs: the first update's ratio is 1, later ones move off it and get clipped
     lp, _ = trainer.logprobs(tensors["input_ids"], tensors["attention_mask"], tensors["mask"])
     tensors["old_logprobs"] = lp
-    batching.add_advantages(cfg, tensors, None, None)
+    objective.add_advantages(cfg, tensors, None, None)
     seen = []
     real = trainer.train_step
     trainer.train_step = lambda b, f, **k: seen.append(real(b, f, **k)) or seen[-1]
-    stats = batching.train_updates(cfg, trainer, None, tensors, batching.make_loss_fn(cfg))
+    stats = objective.train_updates(cfg, trainer, None, tensors, objective.make_loss_fn(cfg))
     assert stats["updates"] == 6 and trainer.steps_done == 6 and len(seen) == 6
     assert seen[0]["approx_kl"] == pytest.approx(0.0, abs=1e-6) and seen[0]["clip_frac"] == 0.0
     assert stats["clip_frac"] > 0 and stats["clip_frac"] == pytest.approx(np.mean([s["clip_frac"] for s in seen]))
     assert stats["approx_kl"] == pytest.approx(np.mean([s["approx_kl"] for s in seen]))
     # more mini-batches than rows: the empty ones are weight-0 updates, every rank runs the same count
-    small = batching.select_rows(tensors, np.arange(2))
+    small = records.select_rows(tensors, np.arange(2))
     cfg8 = make_cfg("algorithm.mini_batches=4")
     t8 = T.make_trainer(cfg8, copy.deepcopy(model), world)
-    assert batching.train_updates(cfg8, t8, None, small, batching.make_loss_fn(cfg8))["updates"] == 4
+    assert objective.train_updates(cfg8, t8, None, small, objective.make_loss_fn(cfg8))["updates"] == 4
 
 
 def test_default_is_one_update_of_the_whole_share(world):
@@ -351,6 +351,6 @@ def test_default_is_one_update_of_the_whole_share(world):
     assert (a.lr_schedule, a.warmup_steps, a.weight_decay, tuple(a.adam_betas)) == ("constant", 0, 0.0, (0.9, 0.99))
     trainer = T.make_trainer(cfg, model_for(cfg), world)
     tensors = rl_batch(cfg)
-    batching.add_advantages(cfg, tensors, None, None)
-    stats = batching.train_updates(cfg, trainer, None, tensors, batching.make_loss_fn(cfg))
+    objective.add_advantages(cfg, tensors, None, None)
+    stats = objective.train_updates(cfg, trainer, None, tensors, objective.make_loss_fn(cfg))
     assert stats["micro_batches"] == 1 and "updates" not in stats and stats["lr"] == a.lr

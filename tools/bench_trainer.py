@@ -52,7 +52,7 @@ def child(args) -> None:
     from rollout_hpc.backends.trainer import make_trainer
     from rollout_hpc.config import load_config
     from rollout_hpc.models import build_model
-    from rollout_hpc.runtime import batching
+    from rollout_hpc.runtime import objective
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     rows = args.rows * args.scale
@@ -87,8 +87,8 @@ def child(args) -> None:
         "rewards": torch.randint(0, 2, (rows,), generator=g).float(),
         "response_len": mask.sum(1),
     }
-    batching.add_advantages(cfg, tensors, None, None)
-    loss_fn = batching.make_loss_fn(cfg)
+    objective.add_advantages(cfg, tensors, None, None)
+    loss_fn = objective.make_loss_fn(cfg)
     cuda = args.device == "cuda"
     if cuda:  # the GPU measure: what torch allocated at most on the device, above the model and optimizer
         torch.cuda.synchronize()

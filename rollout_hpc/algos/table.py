@@ -1,6 +1,6 @@
 """The algorithms as table rows: one frozen dataclass per algorithm, no torch needed (the config reads the
 names from here). Adding an algorithm = one row here + its advantage estimator (registered by name in
-algos/registry.py), if it needs a new one: the config's allowed names, compute_advantages, the batching (KL in
+algos/registry.py), if it needs a new one: the config's allowed names, compute_advantages, runtime/objective.py (KL in
 the loss or the reward, critic values), the step plan (dynamic sampling) and the trainer loop (a critic or not)
 read the row. Every algorithm trains on the clipped policy loss (losses.policy_loss); a reference model is
 built whenever algorithm.kl_coef > 0, whatever the row."""

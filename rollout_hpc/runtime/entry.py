@@ -2,7 +2,7 @@
 
 It reads RUN_DIR/config.resolved.yaml (written by the launcher), joins the MPI
 world and runs `run.program`: "hello" proves the world and exits; "train" runs
-the RL loop (`rollout_hpc.runtime.loop.main(world, cfg, run_dir)`).
+the RL loop (`rollout_hpc.runtime.train_program.main(world, cfg, run_dir)`).
 
 Errors a user can fix (config, launch shape, a data layout mismatch) are
 printed once, without a traceback, and every rank stops: one failed rank must
@@ -42,15 +42,15 @@ def _load_program(name: str):
 
         return hello.main
     try:
-        from rollout_hpc.runtime import loop  # in here: torch, transformers; "hello" must not need them
+        from rollout_hpc.runtime import train_program  # in here: torch, transformers; "hello" must not need them
     except ModuleNotFoundError as exc:
-        if exc.name != "rollout_hpc.runtime.loop":
+        if exc.name != "rollout_hpc.runtime.train_program":
             raise
         raise EntryError(
-            "run.program 'train' needs rollout_hpc.runtime.loop, which this install lacks; "
+            "run.program 'train' needs rollout_hpc.runtime.train_program, which this install lacks; "
             "update rollout-hpc, or set run.program: hello to only check the MPI world"
         ) from None
-    return loop.main
+    return train_program.main
 
 
 def run(run_dir: Path) -> int:

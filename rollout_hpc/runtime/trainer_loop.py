@@ -20,7 +20,7 @@ import torch
 
 from rollout_hpc import algos
 from rollout_hpc.backends.trainer import make_trainer, score_tokens
-from rollout_hpc.runtime import batching, checkpointing, sft, step_plan, watchdog
+from rollout_hpc.runtime import checkpointing, objective, records, sft, step_plan, watchdog
 from rollout_hpc.runtime.critic import Critic, PolicyAndCritic
 from rollout_hpc.runtime.evaluation import EvalReceiver
 from rollout_hpc.runtime.metrics import MetricsSink, batch_metrics
@@ -77,7 +77,7 @@ class StepReceiver:
                     raise watchdog.Interrupted(*reasons[0])
             watchdog.waiting()
             if not sum(len(b) for b in new) and self.exchange.ended:
-                raise batching.StalenessError(
+                raise records.StalenessError(
                     f"step {step}: the generators ended the stream with {have} of the {need} records of prompts "
                     f"{step_plan.describe(prompts)} sent"
                 )
@@ -159,9 +159,9 @@ class SFTPhase:
     def step(self, step: int) -> None:
         t0 = time.perf_counter()
         batch = sft.sft_batch(self.cfg, self.task, self.tokenizer, self.stream, step)
-        tensors = batching.collate(batch, self.tokenizer.pad_id)
+        tensors = records.collate(batch, self.tokenizer.pad_id)
         rows = sft.my_rows(len(batch), self.world.group_rank, self.world.group_size)
-        mine = batching.select_rows(tensors, rows) if len(rows) else batching.empty_like(tensors)
+        mine = records.select_rows(tensors, rows) if len(rows) else records.empty_like(tensors)
         with self.trainer.fixed_lr(self.cfg.warmup.lr or self.cfg.algorithm.lr):
             stats = self.trainer.train_step(mine, self.loss_fn, agg=self.cfg.algorithm.loss_agg)
         if self.sink is not None:
@@ -195,7 +195,7 @@ def run_trainer(
     critic = Critic(cfg, model, world) if spec.needs_critic else None  # from the initial policy, like `initial`
     trainer = make_trainer(cfg, model, world)
     reference = Reference(initial, trainer.device, cfg) if initial is not None else None
-    loss_fn = batching.make_loss_fn(cfg)
+    loss_fn = objective.make_loss_fn(cfg)
     ckpt = checkpointing.Checkpointer(world, cfg, run_dir)
     checkpointed = PolicyAndCritic(trainer, critic) if critic else trainer
     start = ckpt.resume(checkpointed)  # 0 for a fresh run
@@ -239,25 +239,25 @@ def run_trainer(
                 exit_code = _stop_waiting(ckpt, sink, checkpointed, step, why, world)
                 break
             t_got, t_got_wall = time.perf_counter(), time.time()
-            batch = batching.sort_by_uid(batch, a.group_size)
-            batching.check_complete(batch, step, plan.prompts, a.group_size)
-            batching.check_staleness(batch, step, cfg.exchange.max_staleness)
+            batch = records.sort_by_uid(batch, a.group_size)
+            records.check_complete(batch, step, plan.prompts, a.group_size)
+            records.check_staleness(batch, step, cfg.exchange.max_staleness)
 
-            tensors = batching.collate(batch)
+            tensors = records.collate(batch)
             ref_lp = (
                 reference.logprobs(tensors["input_ids"], tensors["attention_mask"], tensors["mask"])
                 if reference
                 else None
             )
             values = critic.values(tensors["input_ids"], tensors["attention_mask"]) if critic else None
-            adv_stats = batching.add_advantages(cfg, tensors, ref_lp, values)
-            groups = batching.trainable_groups(tensors["mask"], a.group_size)
+            adv_stats = objective.add_advantages(cfg, tensors, ref_lp, values)
+            groups = records.trainable_groups(tensors["mask"], a.group_size)
             stats = {"generation_rounds": float(plan.rounds)} if plan.max_rounds > 1 else {}
             if len(groups):  # none: every group of every round had equal rewards; the policy stays as it is
-                rows = batching.shard_groups(groups, a.group_size, world.group_rank, world.group_size)
+                rows = records.shard_groups(groups, a.group_size, world.group_rank, world.group_size)
                 # Fewer groups than trainer ranks: a rank without any still joins the step's collectives.
-                mine = batching.select_rows(tensors, rows) if len(rows) else batching.empty_like(tensors)
-                stats.update(batching.train_updates(cfg, trainer, critic, mine, loss_fn))
+                mine = records.select_rows(tensors, rows) if len(rows) else records.empty_like(tensors)
+                stats.update(objective.train_updates(cfg, trainer, critic, mine, loss_fn))
             t_trained = time.perf_counter()
 
             sync = weights.publish(step + 1, trainer.full_weights())

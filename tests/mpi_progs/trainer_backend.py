@@ -28,7 +28,7 @@ def digest(weights: dict) -> str:
 
 
 def tiny_model(cfg):
-    from rollout_hpc.runtime.loop import build_policy
+    from rollout_hpc.runtime.train_program import build_policy
 
     return build_policy(cfg)[0]
 
