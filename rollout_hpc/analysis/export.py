@@ -1,12 +1,14 @@
 """Export a trajectory log as Parquet or CSV tables (pyarrow), streamed in chunks.
 
-Two tables: one row per trajectory (fixed fields, step, staleness; ragged token
-arrays as list columns on request) and one row per train step (the metrics); a
-third, one row per eval, when the run validated during training.
+Two tables: one row per trajectory (fixed fields, step, staleness; the prompt and
+response decoded as text where the run's tokenizer loads; ragged token arrays as
+list columns on request) and one row per train step (the metrics); a third, one
+row per eval, when the run validated during training.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +21,7 @@ from rollout_hpc.store.trajlog import ROW_COLUMNS, TrajectoryReader
 from rollout_hpc.trajectory import RAGGED
 
 RAGGED_NAMES = [name for name, _, _ in RAGGED]
+TEXT_COLUMNS = {"prompt_text": "prompt_ids", "response_text": "response_ids"}  # decoded from these token arrays
 CHUNK_ROWS = 1 << 16
 FORMATS = ("parquet", "csv")
 
@@ -45,10 +48,21 @@ class _TableWriter:
         self.writer.close()
 
 
+def _decoded(reader: TrajectoryReader, name: str, lo: int, hi: int, decode: Callable[[np.ndarray], str]) -> pa.Array:
+    offsets, values = reader.ragged_chunk(name, lo, hi)
+    return pa.array([decode(values[a:b]) for a, b in zip(offsets[:-1], offsets[1:])], pa.large_string())
+
+
 def export_trajectories(
-    reader: TrajectoryReader, path: Path, fmt: str, columns: list[str] | None = None, chunk_rows: int = CHUNK_ROWS
+    reader: TrajectoryReader,
+    path: Path,
+    fmt: str,
+    columns: list[str] | None = None,
+    chunk_rows: int = CHUNK_ROWS,
+    decode: Callable[[np.ndarray], str] | None = None,
 ) -> int:
-    """Write the per-trajectory table; returns rows written."""
+    """Write the per-trajectory table; returns rows written. decode (token ids -> text): adds the columns
+    prompt_text and response_text."""
     fixed, ragged = _check_columns(columns, fmt)
     writer = None
     written = 0
@@ -59,6 +73,9 @@ def export_trajectories(
         for name in ragged:
             offsets, values = reader.ragged_chunk(name, lo, hi)
             arrays[name] = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
+        if decode is not None:
+            for text, ids in TEXT_COLUMNS.items():
+                arrays[text] = _decoded(reader, ids, lo, hi, decode)
         table = pa.table(arrays)
         if writer is None:
             writer = _TableWriter(path, fmt, table.schema)
@@ -67,6 +84,8 @@ def export_trajectories(
     if writer is None:  # an empty log still gets a file with the columns
         empty = {"row": pa.array([], pa.int64())}
         empty.update({name: pa.array(np.zeros(0, reader.column(name, 0, 0).dtype)) for name in fixed})
+        if decode is not None:
+            empty.update({text: pa.array([], pa.large_string()) for text in TEXT_COLUMNS})
         writer = _TableWriter(path, fmt, pa.table(empty).schema)
     writer.close()
     return written
@@ -95,9 +114,10 @@ def export_run(
     out_dir: str | Path | None = None,
     columns: list[str] | None = None,
     chunk_rows: int = CHUNK_ROWS,
+    decode: Callable[[np.ndarray], str] | None = None,
 ) -> dict[str, tuple[Path, int]]:
     """Write trajectories.<fmt> and steps.<fmt> (and eval.<fmt> when the log has eval rows) into out_dir
-    (default RUN_DIR/export)."""
+    (default RUN_DIR/export); with decode, the trajectories get prompt_text and response_text columns."""
     if fmt not in FORMATS:
         raise UserError(f"unknown export format '{fmt}'; use one of {', '.join(FORMATS)}")
     _check_columns(columns, fmt)
@@ -105,7 +125,7 @@ def export_run(
         out = Path(out_dir) if out_dir else reader.path.parent / "export"
         out.mkdir(parents=True, exist_ok=True)
         traj_path, steps_path = out / f"trajectories.{fmt}", out / f"steps.{fmt}"
-        rows = export_trajectories(reader, traj_path, fmt, columns, chunk_rows)
+        rows = export_trajectories(reader, traj_path, fmt, columns, chunk_rows, decode)
         steps = export_steps(reader, steps_path, fmt)
         written = {"trajectories": (traj_path, rows), "steps": (steps_path, steps)}
         if reader.eval_rows:

@@ -12,6 +12,7 @@ import matplotlib
 matplotlib.use("Agg")  # no display on cluster login nodes
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from rollout_hpc.analysis.summary import TIME_PARTS, RunAnalysis  # noqa: E402
 
@@ -25,7 +26,23 @@ def _new(title: str, xlabel: str = "train step", ylabel: str = ""):
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
+    if xlabel == "train step":
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no step 0.5
     return fig, ax
+
+
+def _legend(ax, handles=None, labels=None) -> None:
+    """A legend that keeps off the data: where matplotlib finds the emptiest corner, half transparent; with
+    handles from a twin axis (which "best" does not see), below the plot."""
+    if handles is None:
+        ax.legend(loc="best", framealpha=0.85)
+    else:
+        ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=len(handles), frameon=False)
+
+
+def has_reference(a: RunAnalysis) -> bool:
+    """The run trained against a reference model (algorithm.kl_coef > 0; unknown without a config: assumed)."""
+    return a.summary.get("kl_coef") != 0
 
 
 def _has(per_step: dict, key: str) -> bool:
@@ -74,17 +91,15 @@ def _figure(
 @_figure("Reward per step", shows=_has_steps, missing="trajectories", ylabel="reward")
 def reward_figure(a: RunAnalysis, fig, ax) -> None:
     s = a.per_step
-    ax.fill_between(s["step"], s["reward_min"], s["reward_max"], alpha=0.12, color="C0", label="min - max")
-    ax.fill_between(
-        s["step"],
-        s["reward_mean"] - s["reward_std"],
-        s["reward_mean"] + s["reward_std"],
-        alpha=0.3,
-        color="C0",
-        label="mean ± std",
-    )
+    # A 0/1 reward's min and max are 0 and 1 at almost every step: that band says nothing, so it is left out.
+    if not a.summary["reward"].get("binary"):
+        ax.fill_between(s["step"], s["reward_min"], s["reward_max"], alpha=0.12, color="C0", label="min - max")
+    # mean ± std, kept inside the values seen (a reward never below its minimum: no band under 0 for 0/1 rewards)
+    low = np.clip(s["reward_mean"] - s["reward_std"], s["reward_min"], s["reward_max"])
+    high = np.clip(s["reward_mean"] + s["reward_std"], s["reward_min"], s["reward_max"])
+    ax.fill_between(s["step"], low, high, alpha=0.3, color="C0", label="mean ± std (within min - max)")
     ax.plot(s["step"], s["reward_mean"], color="C0", label="mean")
-    ax.legend(loc="best")
+    _legend(ax)
 
 
 @_figure("Response length per step", shows=_has_steps, missing="trajectories", ylabel="tokens")
@@ -94,24 +109,36 @@ def length_figure(a: RunAnalysis, fig, ax) -> None:
     limit = a.summary["response_length"]["max_new_tokens"]
     if limit:
         ax.axhline(limit, color="red", linestyle="--", linewidth=1, label=f"max_new_tokens = {limit}")
-    ax.legend(loc="best")
+    _legend(ax)
+
+
+def _kl_shown(a: RunAnalysis) -> bool:
+    return _has(a.per_step, "kl") and has_reference(a)
 
 
 @_figure(
     "KL divergence and entropy",
-    shows=lambda a: _has(a.per_step, "kl") or _has(a.per_step, "entropy"),
+    shows=lambda a: _kl_shown(a) or _has(a.per_step, "entropy"),
     missing="KL or entropy metrics",
     ylabel="KL to reference",
 )
 def kl_entropy_figure(a: RunAnalysis, fig, ax) -> None:
     s = a.per_step
-    if _has(s, "kl"):
-        ax.plot(s["step"], s["kl"], color="C1", label="KL")
+    if not _kl_shown(a):  # entropy alone, on the left axis
+        ax.set_title("Entropy (no reference model: algorithm.kl_coef 0, so no KL)")
+        ax.set_ylabel("entropy (nats / token)")
+        ax.plot(s["step"], s["entropy"], color="C2", label="entropy")
+        return
+    ax.plot(s["step"], s["kl"], color="C1", label="KL")
     if _has(s, "entropy"):
         right = ax.twinx()
         right.plot(s["step"], s["entropy"], color="C2", label="entropy")
         right.set_ylabel("entropy (nats / token)")
-        fig.legend(loc="upper right", bbox_to_anchor=(0.88, 0.88))
+        (kl_handles, kl_labels), (ent_handles, ent_labels) = (
+            ax.get_legend_handles_labels(),
+            right.get_legend_handles_labels(),
+        )
+        _legend(ax, kl_handles + ent_handles, kl_labels + ent_labels)
 
 
 @_figure(
@@ -129,7 +156,7 @@ def throughput_figure(a: RunAnalysis, fig, ax) -> None:
         with np.errstate(divide="ignore", invalid="ignore"):
             rate = np.where(dt > 0, s["tokens_mean"][1:] * s["samples"][1:] / dt, np.nan)
         ax.plot(s["step"][1:], rate, alpha=0.6, label="logged tokens / step interval")
-    ax.legend(loc="best")
+    _legend(ax)
 
 
 @_figure(
@@ -145,7 +172,7 @@ def staleness_figure(a: RunAnalysis, fig, ax) -> None:
     bound = a.summary["staleness"]["bound"]
     if bound is not None:
         ax.axvline(bound + 0.5, color="red", linestyle="--", linewidth=1, label=f"max_staleness = {bound}")
-        ax.legend(loc="best")
+        _legend(ax)
     ax.set_xticks(np.arange(len(hist)))
 
 
@@ -217,7 +244,7 @@ def eval_figure(a: RunAnalysis, fig, ax) -> None:
             label=f"best {best['best']:.3g} (step {best['best_step']})",
         )
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="best")
+        _legend(ax)
 
 
 @_figure(
@@ -240,7 +267,7 @@ def domains_figure(a: RunAnalysis, fig, ax) -> None:
                 markersize=3,
                 label=f"{name} eval accuracy",
             )
-    ax.legend(loc="best")
+    _legend(ax)
 
 
 FIGURES: dict[str, Callable[[RunAnalysis], plt.Figure]] = {
@@ -291,8 +318,10 @@ def compare_figure(runs: dict[str, RunAnalysis]):
     ]
     for ax, (key, label) in zip(axes.flat, panels):
         for name, a in runs.items():
-            if _has(a.per_step, key):
+            if _has(a.per_step, key) and (key != "kl" or has_reference(a)):
                 ax.plot(a.per_step["step"], a.per_step[key], label=name)
+        if key == "kl" and not any(has_reference(a) for a in runs.values()):
+            label += ": no reference model (algorithm.kl_coef 0)"
         ax.set_title(label)
         ax.grid(alpha=0.3)
     if evals:
@@ -304,7 +333,7 @@ def compare_figure(runs: dict[str, RunAnalysis]):
             ax.grid(alpha=0.3)
     for ax in axes[-1]:
         ax.set_xlabel("train step")
-    axes[0][0].legend(loc="best")
+    _legend(axes[0][0])
     fig.suptitle("Runs compared")
     fig.tight_layout()
     return fig

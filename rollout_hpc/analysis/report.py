@@ -12,7 +12,15 @@ import jinja2
 import numpy as np
 
 from rollout_hpc.analysis.figures import FIGURES, png_bytes
-from rollout_hpc.analysis.samples import last_step, load_decoder, load_samples, render_sample, select_rows
+from rollout_hpc.analysis.run_info import config_text, flatten, resolved_config
+from rollout_hpc.analysis.samples import (
+    last_step,
+    load_answers,
+    load_decoder,
+    load_samples,
+    render_sample,
+    select_rows,
+)
 from rollout_hpc.analysis.summary import analyze_run
 from rollout_hpc.store.trajlog import TrajectoryReader, log_path
 
@@ -37,7 +45,12 @@ _TEMPLATE = jinja2.Environment(autoescape=True).from_string("""<!DOCTYPE html>
 <table><tr><th>source</th><th>samples</th><th>reward, first step</th><th>reward, last step</th><th>mean reward</th>
 <th>last eval accuracy</th></tr>
 {% for row in domain_rows %}<tr>{% for v in row %}<td class="num">{{ v }}</td>{% endfor %}</tr>{% endfor %}</table>
-{% endif %}<h2>Figures</h2>
+{% endif %}<h2>Configuration</h2>
+{% if config_text is none %}<p>no config.resolved.yaml beside this log</p>{% else %}
+<table>{% for key, value in hyperparameters %}<tr><th>{{ key }}</th><td>{{ value }}</td></tr>{% endfor %}</table>
+<details><summary>resolved config (config.resolved.yaml: every key, defaults filled in)</summary>
+<pre>{{ config_text }}</pre></details>{% endif %}
+<h2>Figures</h2>
 {% for name, data in figures %}<figure><img alt="{{ name }}" src="data:image/png;base64,{{ data }}"></figure>{% endfor %}
 <h2>Sample trajectories (step {{ sample_step }})</h2>
 {% for heading, texts in samples %}<h3>{{ heading }}</h3>{% for t in texts %}<pre>{{ t }}</pre>{% endfor %}{% endfor %}
@@ -92,18 +105,29 @@ def _domain_rows(domains: dict) -> list[list[str]]:
     return rows
 
 
+def _hyperparameters(config: dict | None) -> list[tuple[str, str]]:
+    """The algorithm section's keys (the hyperparameters) and the model, each as (dotted key, value)."""
+    if not config:
+        return []
+    shown = {"model": config.get("model") or {}, "algorithm": config.get("algorithm") or {}}
+    return [(key, _fmt(value)) for key, value in flatten(shown).items() if value is not None]
+
+
 def write_report(run_dir_or_log: str | Path, out: str | Path | None = None, samples_per_kind: int = 3) -> Path:
     path = log_path(run_dir_or_log)
     analysis = analyze_run(path)
     figures = [(name, base64.b64encode(png_bytes(draw(analysis))).decode()) for name, draw in FIGURES.items()]
     decode = load_decoder(path.parent)
+    answer = load_answers(path.parent)
     with TrajectoryReader(path) as reader:
         step = last_step(reader)
         sections = []
         if step is not None:
             for mode in ("best", "worst"):
                 rows = select_rows(reader, step=step, mode=mode, k=samples_per_kind)
-                sections.append((f"{mode} by reward", [render_sample(s, decode) for s in load_samples(reader, rows)]))
+                sections.append(
+                    (f"{mode} by reward", [render_sample(s, decode, answer) for s in load_samples(reader, rows)])
+                )
     out = Path(out) if out else path.parent / "report.html"
     out.write_text(
         _TEMPLATE.render(
@@ -115,6 +139,8 @@ def write_report(run_dir_or_log: str | Path, out: str | Path | None = None, samp
             samples=sections,
             sample_step=step,
             domain_rows=_domain_rows(analysis.domains),
+            config_text=config_text(path.parent),
+            hyperparameters=_hyperparameters(resolved_config(path.parent)),
             **dict(zip(("eval_names", "eval_rows"), _eval_table(analysis.eval))),
         )
     )

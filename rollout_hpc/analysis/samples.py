@@ -7,18 +7,21 @@ from pathlib import Path
 
 import numpy as np
 
-from rollout_hpc.store.trajlog import TrajectoryReader
+from rollout_hpc.analysis.run_info import run_dir_of
+from rollout_hpc.config import load_config
+from rollout_hpc.envs.registry import load_task
+from rollout_hpc.rundir_layout import DATA, RESOLVED_CONFIG
+from rollout_hpc.store.trajlog import TrajectoryReader, read_meta
 
 Decode = Callable[[np.ndarray], str]
+Answer = Callable[[int], "str | None"]  # prompt id -> the task's reference answer for it
 SCAN_ROWS = 1 << 16
 
 
 def load_decoder(run_dir: str | Path) -> Decode | None:
     """The run's tokenizer decode, or None when the run does not say (then token ids are shown). Special tokens
     are kept: the text shown is exactly what the model saw (chat template markers, BOS, the stop token)."""
-    run_dir = Path(run_dir)
-    if run_dir.suffix == ".h5":
-        run_dir = run_dir.parent
+    run_dir = run_dir_of(run_dir)
     try:
         # In here: the models package imports torch and transformers, needed only to decode.
         from rollout_hpc.models.tokenizer import load_tokenizer_for_run
@@ -27,6 +30,28 @@ def load_decoder(run_dir: str | Path) -> Decode | None:
         return lambda ids: tokenizer.decode(ids, skip_special=False)
     except Exception:  # no config in the run dir, a model dir that moved, or no models package: show ids
         return None
+
+
+def load_answers(run_dir: str | Path) -> Answer | None:
+    """prompt id -> the reference answer the reward compared against: the run's task rebuilt from its resolved
+    config over the rows frozen in RUN_DIR/data (a mixed dataset's stream maps the id to its source, as the
+    generators did). None when the run does not say (a bare log) or the task cannot be rebuilt here."""
+    run_dir = run_dir_of(run_dir)
+    try:
+        cfg = load_config(run_dir / RESOLVED_CONFIG, [])
+        data_dir = run_dir / DATA
+        prompts = load_task(cfg.task, data_dir=data_dir if data_dir.is_dir() else None).prompts(cfg.run.seed)
+    except Exception:  # an older config, a plugin task whose module is not importable here, a moved data file
+        return None
+
+    def answer(prompt_id: int) -> str | None:
+        try:
+            value = getattr(prompts[int(prompt_id)], "answer", None)
+        except Exception:  # a plugin task's prompts that fail on this index: no answer to show
+            return None
+        return None if value is None else str(value)
+
+    return answer
 
 
 def last_step(reader: TrajectoryReader) -> int | None:
@@ -64,12 +89,15 @@ def select_rows(
 
 
 def load_samples(reader: TrajectoryReader, rows: np.ndarray) -> list[dict]:
+    sources = list(read_meta(reader).get("domains") or [])  # a mixed dataset's source names, by record `domain`
     out = []
     for row in rows:
         record = reader.batch([int(row)]).record(0)
         record["row"] = int(row)
         record["step"] = int(reader.column("step", int(row), int(row) + 1)[0])
         record["staleness"] = int(reader.column("staleness", int(row), int(row) + 1)[0])
+        if len(sources) > 1 and int(record["domain"]) < len(sources):
+            record["source"] = sources[int(record["domain"])]
         out.append(record)
     return out
 
@@ -89,16 +117,21 @@ def _segments(mask: np.ndarray) -> list[tuple[int, int, bool]]:
     return [(int(a), int(b), bool(mask[a])) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def render_sample(s: dict, decode: Decode | None) -> str:
-    """A trajectory as text: header, prompt, then the response turn by turn (policy vs environment text)."""
+def render_sample(s: dict, decode: Decode | None, answer: Answer | None = None) -> str:
+    """A trajectory as text: header, prompt, the reference answer (where the task has one), then the response
+    turn by turn (policy vs environment text)."""
     flags = " [hit max_new_tokens]" if s["truncated"] else ""
     status = int(s.get("reward_status", 0))
     flags += {1: " [reward raised: scored 0]", 2: " [reward timed out: scored 0]"}.get(status, "")
+    source = f"  source {s['source']}" if s.get("source") else ""
     lines = [
-        f"row {s['row']}  step {s['step']}  prompt {s['prompt_id']} sample {s['sample_idx']}  reward {s['reward']:.4g}  "
+        f"row {s['row']}  step {s['step']}{source}  prompt {s['prompt_id']} sample {s['sample_idx']}  reward {s['reward']:.4g}  "
         f"policy v{s['policy_version']} (staleness {s['staleness']})  {s['response_len']} response tokens{flags}",
         f"  prompt: {_text(s['prompt_ids'], decode)}",
     ]
+    reference = answer(s["prompt_id"]) if answer is not None else None
+    if reference is not None:
+        lines.append(f"  reference answer: {reference}")
     response, mask, starts = s["response_ids"], s["loss_mask"], list(s["turn_starts"])
     bounds = [int(x) for x in starts] + [len(response)]
     if len(starts) <= 1:

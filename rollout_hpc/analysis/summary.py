@@ -17,6 +17,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from rollout_hpc.analysis.run_info import launches, resolved_config, run_dir_of
 from rollout_hpc.store.trajlog import TrajectoryReader, read_meta
 from rollout_hpc.trajectory import REWARD_OK, REWARD_TIMEOUT
 
@@ -176,6 +177,7 @@ class _Totals:
     reward_sq: float = 0.0
     reward_min: float = math.inf
     reward_max: float = -math.inf
+    reward_not_0_or_1: int = 0  # 0: a binary (pass / fail) reward
     t_first: float = math.inf
     t_last: float = -math.inf
     length_hist: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
@@ -191,6 +193,7 @@ class _Totals:
         self.reward_sum += reward.sum()
         self.reward_sq += (reward * reward).sum()
         self.reward_min, self.reward_max = min(self.reward_min, reward.min()), max(self.reward_max, reward.max())
+        self.reward_not_0_or_1 += int(np.count_nonzero((reward != 0) & (reward != 1)))
         self.t_first, self.t_last = min(self.t_first, chunk["t_start"].min()), max(self.t_last, chunk["t_end"].max())
         self.length_hist = _bincount_into(self.length_hist, resp)
         self.stale_hist = _bincount_into(self.stale_hist, np.maximum(chunk["staleness"], 0))
@@ -228,6 +231,14 @@ def analyze_run(run_dir_or_log: str | Path, chunk_rows: int = CHUNK_ROWS) -> Run
         table = reader.metrics()
         evals = reader.eval_metrics()
     analysis = _assemble(meta, acc, totals, table, log_state, evals)
+    # The log's allocation column, where a runtime wrote one, or the launches the run's manifest records
+    # (submit, then each resume): a cancelled and resumed run has restarted once.
+    run_dir = run_dir_of(run_dir_or_log)
+    launched = launches(run_dir)
+    if launched:
+        analysis.summary["restarts"] = max(analysis.summary["restarts"], launched - 1)
+    # algorithm.kl_coef 0: no reference model, and the logged KL is only estimator noise (None: no config here)
+    analysis.summary["kl_coef"] = ((resolved_config(run_dir) or {}).get("algorithm") or {}).get("kl_coef")
     analysis.domains = _domain_series(names, by_domain, evals)
     analysis.summary["domains"] = {
         name: {
@@ -341,6 +352,7 @@ def _assemble(
             "std": math.sqrt(max(t.reward_sq / n - mean * mean, 0.0)) if n else float("nan"),
             "min": float(t.reward_min) if n else float("nan"),
             "max": float(t.reward_max) if n else float("nan"),
+            "binary": bool(n) and not t.reward_not_0_or_1,  # every reward 0 or 1
             "first_step_mean": float(per_step["reward_mean"][0]) if n else float("nan"),
             "last_step_mean": float(per_step["reward_mean"][-1]) if n else float("nan"),
             "trend_per_step": slope,

@@ -95,6 +95,25 @@ def _summary_table(summaries: dict[str, dict]) -> Table:
     return table
 
 
+def _config_table(configs: dict[str, dict | None]) -> Table | str:
+    """The config keys whose values differ between the runs (RUN_DIR/config.resolved.yaml), one column per run."""
+    from rollout_hpc.analysis.run_info import config_differences  # in here: the analysis package pulls h5py
+
+    missing = [label for label, c in configs.items() if c is None]
+    note = f" ({', '.join(missing)}: no config.resolved.yaml)" if missing else ""
+    rows = config_differences(configs)
+    if not rows:
+        return f"configs: no differences{note}"
+    table = Table(title=f"config differences{note}", title_justify="left")
+    table.add_column("key")
+    for label, c in configs.items():
+        if c is not None:
+            table.add_column(label)
+    for key, values in rows:
+        table.add_row(key, *values)
+    return table
+
+
 def _first_last(stats: dict | None) -> str:
     return f"{stats['first']:.4g} → {stats['last']:.4g}" if stats else "n/a"
 
@@ -226,21 +245,22 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 @_salvaging
 def cmd_samples(args: argparse.Namespace) -> int:
-    from rollout_hpc.analysis.samples import last_step, load_decoder, load_samples, render_sample, select_rows  # h5py
+    from rollout_hpc.analysis import samples  # in here: h5py
     from rollout_hpc.store.trajlog import TrajectoryReader, log_path
 
     mode, k = next(((m, getattr(args, m)) for m in ("best", "worst", "random") if getattr(args, m)), ("best", 3))
-    decode = load_decoder(log_path(args.run_dir).parent)
+    decode = samples.load_decoder(log_path(args.run_dir).parent)
+    answer = samples.load_answers(log_path(args.run_dir).parent)
     with TrajectoryReader(args.run_dir) as reader:
-        step = args.step if args.step is not None else (None if args.prompt is not None else last_step(reader))
-        rows = select_rows(reader, step=step, prompt=args.prompt, mode=mode, k=k, seed=args.seed)
+        step = args.step if args.step is not None else (None if args.prompt is not None else samples.last_step(reader))
+        rows = samples.select_rows(reader, step=step, prompt=args.prompt, mode=mode, k=k, seed=args.seed)
         if not len(rows):
             err.print(f"no trajectories match (step {step}, prompt {args.prompt}) in {reader.path}")
             return 1
         if decode is None:
             err.print("no tokenizer for this run (RUN_DIR/config.resolved.yaml): showing token ids")
-        for sample in load_samples(reader, rows):
-            out.print(render_sample(sample, decode), markup=False, highlight=False)
+        for sample in samples.load_samples(reader, rows):
+            out.print(samples.render_sample(sample, decode, answer), markup=False, highlight=False)
             out.print()
     return 0
 
@@ -248,9 +268,14 @@ def cmd_samples(args: argparse.Namespace) -> int:
 @_salvaging
 def cmd_export(args: argparse.Namespace) -> int:
     from rollout_hpc.analysis.export import export_run  # in here: h5py, pyarrow (slow to import)
+    from rollout_hpc.analysis.samples import load_decoder
+    from rollout_hpc.store.trajlog import log_path
 
     columns = [c for part in args.columns for c in part.split(",") if c] if args.columns else None
-    for table, (path, rows) in export_run(args.run_dir, args.format, args.out, columns).items():
+    decode = None if args.no_text else load_decoder(log_path(args.run_dir).parent)
+    if decode is None and not args.no_text:
+        err.print("no tokenizer for this run (RUN_DIR/config.resolved.yaml): no prompt_text / response_text columns")
+    for table, (path, rows) in export_run(args.run_dir, args.format, args.out, columns, decode=decode).items():
         out.print(f"{table}: {rows} rows -> {path}")
     return 0
 
@@ -258,15 +283,16 @@ def cmd_export(args: argparse.Namespace) -> int:
 @_salvaging
 def cmd_compare(args: argparse.Namespace) -> int:
     from rollout_hpc.analysis.figures import compare_figure, save_figure  # in here: matplotlib, h5py (slow to import)
+    from rollout_hpc.analysis.run_info import resolved_config, run_dir_of, run_labels
     from rollout_hpc.analysis.summary import analyze_run
 
-    runs = {}
-    for run in args.runs:
-        name = Path(run).name if Path(run).name != "trajectories.h5" else Path(run).parent.name
-        while name in runs:
-            name += "'"
-        runs[name] = analyze_run(run)
+    labels = run_labels(args.runs)
+    runs = {label: analyze_run(run) for label, run in zip(labels, args.runs)}
+    configs = {label: resolved_config(run_dir_of(run)) for label, run in zip(labels, args.runs)}
+    for label, run in zip(labels, args.runs):
+        out.print(f"[bold]{label}[/]: {run_dir_of(run)}")
     out.print(_summary_table({name: a.summary for name, a in runs.items()}))
+    out.print(_config_table(configs))
     figure = Path(args.out)
     figure.parent.mkdir(parents=True, exist_ok=True)
     save_figure(compare_figure(runs), figure)
@@ -326,6 +352,12 @@ def register(subparsers) -> None:
         "add response_ids, prompt_ids, logprobs, loss_mask or turn_starts for token lists, Parquet only)",
     )
     p.add_argument("--out", metavar="DIR", help="output directory (default RUN_DIR/export)")
+    p.add_argument(
+        "--no-text",
+        action="store_true",
+        help="leave out the prompt_text / response_text columns (decoded with the run's tokenizer; "
+        "decoding every trajectory takes a while on a large log)",
+    )
     p.set_defaults(func=cmd_export)
 
     p = subparsers.add_parser("compare", help="several runs side by side: table and overlaid curves")

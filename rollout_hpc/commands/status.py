@@ -10,7 +10,7 @@ from rich.table import Table
 
 from rollout_hpc.commands import out
 from rollout_hpc.launch import rundir
-from rollout_hpc.launch.status import job_states, local_state
+from rollout_hpc.launch.status import TrainingProgress, job_states, local_state, training_progress
 
 
 def run(args: argparse.Namespace) -> int:
@@ -18,6 +18,7 @@ def run(args: argparse.Namespace) -> int:
     manifest = rundir.read_manifest(run_dir)
     jobs = [{"job_id": j, "components": [c.to_dict() for c in job_states(j)]} for j in manifest.get("job_ids", [])]
     local = [dict(r, state=local_state(r)) for r in manifest.get("local_runs", [])]
+    progress = training_progress(run_dir)
     if args.json:
         print(
             json.dumps(
@@ -28,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
                     "dry_run": manifest.get("dry_run"),
                     "jobs": jobs,
                     "local_runs": local,
+                    "progress": progress.to_dict(),
                 },
                 indent=2,
             )
@@ -52,14 +54,34 @@ def run(args: argparse.Namespace) -> int:
             f"local run {i}: {record['state']}, started {record.get('started')}, pid {record.get('pid')}, "
             f"log {record.get('log')}"
         )
+    out.print(_progress_line(progress))
     return 0
+
+
+def _progress_line(p: TrainingProgress) -> str:
+    total = "?" if p.total_steps is None else p.total_steps
+    step = f"step {p.steps_done}/{total}" if p.steps_done is not None else f"step -/{total}"
+    if p.checkpoint_step is None:
+        checkpoint = "no checkpoint yet"
+    else:
+        age = f", {_ago(p.checkpoint_age_s)} ago" if p.checkpoint_age_s is not None else ""
+        checkpoint = f"newest checkpoint step {p.checkpoint_step}{age}"
+    return f"training: {step}, {checkpoint}  (log: {p.log})"
+
+
+def _ago(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    if seconds < 120:
+        return f"{seconds} s"
+    return f"{seconds // 60} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "status",
-        help="show the state of a run's jobs (each het component: state, nodes, restarts)",
-        description="Read RUN_DIR/manifest.json and ask Slurm about every job of the run (scontrol, then sacct).",
+        help="show the state of a run's jobs (each het component: state, nodes, restarts) and its training step",
+        description="Read RUN_DIR/manifest.json and ask Slurm about every job of the run (scontrol, then sacct); "
+        "then the last logged step of the total (RUN_DIR/trajectories.h5) and the newest checkpoint.",
         epilog="examples:\n  rollout-hpc status runs/quickstart\n  rollout-hpc status runs/big --json | jq .jobs",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

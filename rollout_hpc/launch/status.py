@@ -11,7 +11,13 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rollout_hpc.config import load_config
+from rollout_hpc.errors import UserError
+from rollout_hpc.rundir_layout import CHECKPOINTS, RESOLVED_CONFIG
 
 ROLES = {0: "generator", 1: "trainer"}
 # States after which Slurm will not run the job again by itself (UNKNOWN: it has forgotten the job).
@@ -128,3 +134,59 @@ def local_state(record: dict) -> str:
     except PermissionError:
         pass
     return "RUNNING"
+
+
+@dataclass
+class TrainingProgress:
+    """How far training got, from the run directory's files (no Slurm, no torch): the steps in the
+    trajectory log's metrics table, the run's total from its config, the newest published checkpoint."""
+
+    steps_done: int | None  # the last logged step + 1 (0-based steps); None: no trajectory log yet
+    total_steps: int | None  # None: no readable config.resolved.yaml
+    checkpoint_step: int | None  # None: no checkpoint yet
+    checkpoint_age_s: float | None
+    log: str  # the log's state (closed cleanly, being written, cut) or why it could not be read
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def training_progress(run_dir: str | Path) -> TrainingProgress:
+    # In here: h5py (the CLI imports every command module, and this one with `status`, at start).
+    from rollout_hpc.store.trajlog import TrajectoryLogError, TrajectoryReader, log_path
+
+    run_dir = Path(run_dir)
+    try:
+        total: int | None = load_config(run_dir / RESOLVED_CONFIG, []).total_steps
+    except UserError:
+        total = None
+    done, log = None, "no trajectories.h5 yet (training has not started)"
+    if log_path(run_dir).is_file():
+        try:
+            with TrajectoryReader(run_dir, warn=False) as reader:
+                steps, log = reader.metrics().get("step"), reader.status_line()
+            done = int(steps.max()) + 1 if steps is not None and len(steps) else 0
+        except (TrajectoryLogError, KeyError, OSError) as exc:  # being created by the trainer right now
+            log = f"unreadable right now: {exc}"
+    step, age = _newest_checkpoint(run_dir)
+    return TrainingProgress(done, total, step, age, log)
+
+
+# store.checkpoint's published names: step-NNNNNNNN.h5, or a sharded step-NNNNNNNN/ once its manifest.json is
+# there. Matched here by name: importing store.checkpoint pulls torch (store.h5tree), seconds on a login node.
+_PUBLISHED = re.compile(r"^step-(\d{8})(\.h5)?$")
+
+
+def _newest_checkpoint(run_dir: Path) -> tuple[int | None, float | None]:
+    """(step, age in seconds) of the newest published checkpoint, (None, None) when there is none."""
+    published = []
+    for entry in (run_dir / CHECKPOINTS).glob("step-*"):
+        if (m := _PUBLISHED.match(entry.name)) and (m.group(2) or (entry / "manifest.json").is_file()):
+            published.append((int(m.group(1)), entry))
+    if not published:
+        return None, None
+    step, path = max(published)
+    try:
+        return step, time.time() - path.stat().st_mtime
+    except OSError:  # pruned by checkpoint.keep_last meanwhile
+        return step, None

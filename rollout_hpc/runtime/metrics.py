@@ -21,7 +21,7 @@ _LINE = (
     ("reward_mean", "reward", "{:.3f}"),
     ("reward_std", "±", "{:.2f}"),
     ("response_len_mean", "len", "{:.1f}"),
-    ("kl", "kl", "{:.4f}"),
+    ("kl", "kl", "small"),  # KL is often ~1e-6 (or 0 without a reference model): see _small
     ("entropy", "ent", "{:.2f}"),
     ("clip_frac", "clip", "{:.2f}"),
     ("lr", "lr", "{:.2e}"),  # the policy's learning rate this step (algorithm.lr_schedule)
@@ -72,11 +72,26 @@ def domain_metrics(batch: TrajectoryBatch, names: list[str]) -> dict[str, float]
     return out
 
 
+def _small(value: float) -> str:
+    """A value that may be tiny or zero: 4 decimals, scientific below 1e-4, and never a negative zero
+    ("-0.0000" reads as a bug; an estimator's -1e-9 is 0 within rounding)."""
+    if value == 0 or abs(value) < 1e-12:
+        return "0"
+    if abs(value) < 1e-4:
+        return f"{value:.1e}"
+    return f"{value:.4f}"
+
+
+def _no_negative_zero(text: str) -> str:
+    """ "-0.00" (a tiny negative rounded away) as "0.00"."""
+    return text[1:] if text.startswith("-") and not text.strip("-0.e+s") else text
+
+
 def progress_line(step: int, steps: int, m: dict[str, float]) -> str:
     parts = [f"step {step + 1}/{steps}"]
     for key, label, fmt in _LINE:
         if key in m and not (key == "reward_errors" and not m[key]):
-            value = fmt.format(m[key])
+            value = _small(m[key]) if fmt == "small" else _no_negative_zero(fmt.format(m[key]))
             if label == "±":
                 parts[-1] += f" ±{value}"  # "reward 0.42 ±0.31"
                 per_domain = [f"{k.partition('/')[2]} {v:.3f}" for k, v in m.items() if k.startswith("reward_mean/")]
