@@ -19,6 +19,7 @@ from rollout_hpc import algos
 from rollout_hpc.backends.trainer import make_trainer
 from rollout_hpc.config import UserError
 from rollout_hpc.models import ValueModel
+from rollout_hpc.store.rng import capture_rng_state
 
 
 class CriticError(UserError):
@@ -55,8 +56,6 @@ class Critic:
         return state
 
     def load_checkpoint_state(self, state: dict) -> None:
-        from rollout_hpc.store.rng import capture_rng_state
-
         # The process RNG is restored by the policy trainer (PolicyAndCritic loads the critic first).
         self.trainer.load_checkpoint_state({**state, "rng": capture_rng_state()})
 

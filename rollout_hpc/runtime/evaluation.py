@@ -20,6 +20,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from rollout_hpc.backends.generate_hf import derive_seed
 from rollout_hpc.rewards import REWARD_OK
 
 EVAL_TAG = 7707
@@ -85,8 +86,6 @@ class Evaluator:
     """The generator ranks' side: evaluate a point and send the metrics to the log's writer."""
 
     def __init__(self, world, cfg, gen, rows, workers, eval_comm, logger_rank: int):
-        from rollout_hpc.backends.generate_hf import derive_seed
-
         self.world, self.cfg, self.gen, self.rows, self.workers = world, cfg, gen, rows, workers
         self.eval_comm, self.logger_rank = eval_comm, logger_rank
         e, a = cfg.eval, cfg.algorithm

@@ -20,10 +20,16 @@ import threading
 import time
 from pathlib import Path
 
+from rollout_hpc.backends.generate_hf import HFGenerator, SamplingParams, derive_seed, trajectory_batch
+from rollout_hpc.backends.generate_vllm import VLLMGenerator
+from rollout_hpc.envs import load_task
+from rollout_hpc.envs.base import dataset_item, is_multi_turn
+from rollout_hpc.envs.registry import eval_prompts
+from rollout_hpc.envs.scoring import reward_name
 from rollout_hpc.errors import RewardFatal
 from rollout_hpc.exchange.faults import fault_point
 from rollout_hpc.exchange.weights import SyncClosed
-from rollout_hpc.rewards import REWARD_ERROR, REWARD_OK
+from rollout_hpc.rewards import REWARD_ERROR, REWARD_OK, RewardPool
 from rollout_hpc.runtime import watchdog
 from rollout_hpc.runtime.evaluation import EvalSchedule, Evaluator
 from rollout_hpc.runtime.step_plan import Informative, StepPlan, informative_groups, rank_share
@@ -107,12 +113,8 @@ def receive_weights(weights, min_version: int):
 
 
 def make_generator(cfg, model, tokenizer, task):
-    from rollout_hpc.backends.generate_hf import HFGenerator, SamplingParams
-
     sampling = SamplingParams.from_config(cfg.algorithm, tokenizer)
     if cfg.generator.backend == "vllm":
-        from rollout_hpc.backends.generate_vllm import VLLMGenerator
-
         return VLLMGenerator(
             cfg.model,
             tokenizer,
@@ -130,8 +132,6 @@ def generate_unscored(gen, dataset, prompt_indices, group_size: int, gen_rank: i
 
     The same rows and seeds as Generator.rollout, which scores inline; here the
     reward workers score it, by key ("train", prompt index)."""
-    from rollout_hpc.backends.generate_hf import derive_seed, trajectory_batch
-    from rollout_hpc.envs.base import dataset_item
 
     t_start = time.time()
     # Each prompt is built and tokenized once; its group_size rows share the token list.
@@ -178,8 +178,6 @@ def generate_with_refills(world, cfg, plan, gen, dataset, exchange, workers, ver
 
 def reward_pool(cfg, task, run_dir: Path):
     """The reward worker processes of this generator rank (they rebuild the task from its config)."""
-    from rollout_hpc.envs.scoring import reward_name
-    from rollout_hpc.rewards import RewardPool
 
     data_dir = run_dir / "data"
     args = (cfg.task.model_dump(mode="json"), cfg.run.seed, str(data_dir) if data_dir.is_dir() else None)
@@ -193,8 +191,6 @@ def reward_pool(cfg, task, run_dir: Path):
 
 
 def make_evaluator(world, cfg, gen, task, workers, eval_comm):
-    from rollout_hpc.envs.registry import eval_prompts
-
     rows = eval_prompts(task, cfg.run.seed)
     if rows is None or workers is None:
         return None  # refused at submit time (commands check it); a multi-turn task has no eval here
@@ -203,9 +199,6 @@ def make_evaluator(world, cfg, gen, task, workers, eval_comm):
 
 
 def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights, eval_comm=None) -> int:
-    from rollout_hpc.envs import load_task
-    from rollout_hpc.envs.base import is_multi_turn
-
     a = cfg.algorithm
     data_dir = run_dir / "data"
     task = load_task(cfg.task, data_dir=data_dir if data_dir.is_dir() else None)

@@ -20,9 +20,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rollout_hpc.backends.generate_hf import load_weights_into
 from rollout_hpc.exchange.forward import Exchange
 from rollout_hpc.exchange.weights import SyncClosed, WeightSync
 from rollout_hpc.models import build_model, load_tokenizer
+from rollout_hpc.models.export import init_weights
 from rollout_hpc.runtime import watchdog
 from rollout_hpc.runtime.checkpointing import install_stop_handlers
 from rollout_hpc.runtime.generator_loop import receive_weights, run_generator
@@ -53,9 +55,6 @@ def build_policy(cfg):
     tokenizer = load_tokenizer(cfg.model)
     model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.run.seed)
     if cfg.model.init_from:  # e.g. an SFT run: every rank starts from its weights (the KL reference too)
-        from rollout_hpc.backends.generate_hf import load_weights_into
-        from rollout_hpc.models.export import init_weights
-
         load_weights_into(model, init_weights(cfg.model.init_from).weights)
     return model, tokenizer
 

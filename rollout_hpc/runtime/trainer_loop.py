@@ -20,9 +20,10 @@ import torch
 
 from rollout_hpc import algos
 from rollout_hpc.backends.trainer import make_trainer, score_tokens
+from rollout_hpc.envs import load_task
 from rollout_hpc.runtime import checkpointing, objective, records, sft, step_plan, watchdog
 from rollout_hpc.runtime.critic import Critic, PolicyAndCritic
-from rollout_hpc.runtime.evaluation import EvalReceiver
+from rollout_hpc.runtime.evaluation import EvalReceiver, eval_points
 from rollout_hpc.runtime.metrics import MetricsSink, batch_metrics
 from rollout_hpc.runtime.step_plan import StepPlan, informative_groups
 from rollout_hpc.runtime.trackers import attach_trackers
@@ -145,9 +146,6 @@ class SFTPhase:
     """The warm-up's steps on the trainer ranks (runtime/sft.py): each rank trains its share of the step's pairs."""
 
     def __init__(self, cfg, world, trainer, tokenizer, run_dir: Path, sink):
-        from rollout_hpc.envs import load_task
-        from rollout_hpc.runtime.evaluation import eval_points
-
         data_dir = Path(run_dir) / "data"
         self.task = load_task(cfg.task, data_dir=data_dir if data_dir.is_dir() else None)
         self.cfg, self.world, self.trainer, self.tokenizer, self.sink = cfg, world, trainer, tokenizer, sink
