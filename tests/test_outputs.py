@@ -19,6 +19,7 @@ import pandas as pd
 import pytest
 import yaml
 from synthetic_trajectories import synthetic_batch
+from test_mixing import write_config, write_data
 from test_resume_local import Interruptible, cli
 
 from rollout_hpc.analysis.export import TEXT_COLUMNS, export_run
@@ -74,6 +75,8 @@ def test_analyze_counts_the_resume_as_a_restart(resumed):
     manifest = json.loads((resumed["run_dir"] / "manifest.json").read_text())
     assert len(manifest["local_runs"]) == 2 and len(manifest["resumes"]) == 1
     assert json.loads(done.stdout)["restarts"] == 1
+    table = cli("analyze", resumed["run_dir"], cwd=resumed["tmp"]).stdout
+    assert re.search(r"restarts\s+│\s+1\b", table) and "no reference model" in table  # kl_coef 0: no KL to show
 
 
 def test_status_shows_the_training_step_and_newest_checkpoint(resumed):
@@ -168,5 +171,36 @@ def test_reward_bands_of_a_binary_reward_stay_within_the_data(tmp_path):
     y = np.concatenate([p.vertices[:, 1] for p in bands[0].get_paths()])
     assert y.min() >= 0 and y.max() <= 1  # std alone would reach below 0 at the early steps
     assert (analysis.per_step["reward_mean"] - analysis.per_step["reward_std"] < 0).any()
-    legend = ax.get_legend()
-    assert legend.get_frame().get_alpha() < 1 and legend._loc == 0  # "best": matplotlib keeps it off the data
+    fig = ax.figure
+    fig.tight_layout()
+    fig.canvas.draw()
+    legend, plot = ax.get_legend().get_window_extent(), ax.get_window_extent()
+    assert legend.x0 >= plot.x1 and legend.x1 <= fig.bbox.x1  # beside the plot (covering nothing), still on the page
+
+
+def test_samples_of_a_mixed_dataset_name_the_source_and_its_answer(tmp_path, capsys):
+    """Two sources, one prompt of each in turn (quotas 2 + 2 of 4 per step): prompt id i is source i % 4 < 2. The
+    answers come from the rows frozen in RUN_DIR/data, not the source files, which change after submit."""
+    write_data(tmp_path, n_words=4)
+    config = write_config(tmp_path, "mix", steps=2, weights=(1, 1))  # 4 prompts a step: quotas 2 + 2
+    sums = [json.loads(line)["answer"] for line in (tmp_path / "sums.jsonl").read_text().splitlines()]
+    words = [json.loads(line)["a"] for line in (tmp_path / "words.jsonl").read_text().splitlines()]
+    run_dir = tmp_path / "run"
+    assert main(["submit", str(config), "--dry-run", "--run-dir", str(run_dir)]) == 0
+    (tmp_path / "words.jsonl").write_text(json.dumps({"q": "say nothing", "a": "changed"}) + "\n")  # after the freeze
+    sources = ["sums", "words"]
+    rng = np.random.default_rng(0)
+    with TrajectoryLog.open_for_append(run_dir, {"run_name": "mix", "domains": sources}) as log:
+        batch = synthetic_batch(rng, 16, 0, group_size=2)  # prompt ids 0..7
+        batch.fixed["domain"] = (batch.fixed["prompt_id"] % 4 >= 2).astype(np.uint8)
+        log.append(batch, 0)
+        log.append_metrics(0, {})
+    capsys.readouterr()
+    for prompt in range(8):
+        assert main(["samples", str(run_dir), "--prompt", str(prompt), "--best", "1"]) == 0
+        shown = capsys.readouterr().out
+        answer = re.search(r"reference answer: (\S+)", shown).group(1)
+        if prompt % 4 < 2:
+            assert "source sums" in shown and answer in sums
+        else:
+            assert "source words" in shown and answer in words

@@ -32,10 +32,11 @@ def _new(title: str, xlabel: str = "train step", ylabel: str = ""):
 
 
 def _legend(ax, handles=None, labels=None) -> None:
-    """A legend that keeps off the data: where matplotlib finds the emptiest corner, half transparent; with
-    handles from a twin axis (which "best" does not see), below the plot."""
+    """A legend outside the plot, so that it never covers data (bands fill most of the axes, where
+    matplotlib's "best" corner still lands on them): at the right, or below with handles from a twin axis
+    (whose label takes the right)."""
     if handles is None:
-        ax.legend(loc="best", framealpha=0.85)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", framealpha=0.85)
     else:
         ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=len(handles), frameon=False)
 
@@ -192,7 +193,7 @@ def time_figure(a: RunAnalysis, fig, ax) -> None:
         labels=[f"{p.removesuffix('_time')} ({totals.get(p, 0):.0f} s total)" for p in parts],
         alpha=0.8,
     )
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    _legend(ax)
 
 
 def _has_eval(a: RunAnalysis) -> bool:
@@ -333,7 +334,8 @@ def compare_figure(runs: dict[str, RunAnalysis]):
             ax.grid(alpha=0.3)
     for ax in axes[-1]:
         ax.set_xlabel("train step")
-    _legend(axes[0][0])
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[0][0].legend(loc="best", framealpha=0.85)  # lines only (no bands): the emptiest corner is free
     fig.suptitle("Runs compared")
     fig.tight_layout()
     return fig

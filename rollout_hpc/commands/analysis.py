@@ -50,7 +50,7 @@ def _summary_table(summaries: dict[str, dict]) -> Table:
             ),
         ),
         ("hit max_new_tokens", lambda s: f"{s['response_length']['truncated_fraction']:.1%}"),
-        ("KL first → last", lambda s: _first_last(s["kl"])),
+        ("KL first → last", lambda s: "no reference model" if s.get("kl_coef") == 0 else _first_last(s["kl"])),
         ("entropy first → last", lambda s: _first_last(s["entropy"])),
         ("clip fraction mean", lambda s: f"{s['clip_fraction']['mean']:.3g}" if s["clip_fraction"] else "n/a"),
         ("staleness mean / max", lambda s: f"{s['staleness']['mean']:.2f} / {s['staleness']['max']}"),
