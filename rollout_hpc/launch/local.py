@@ -7,7 +7,9 @@ World ranks are ordered like `srun --het-group=0,1`: all generator ranks first.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -65,6 +67,13 @@ def launch_env() -> dict[str, str]:
     return env
 
 
+def mpi_shm_dir(run_dir: Path) -> Path:
+    """Where this run's mpirun puts Open MPI's shared-memory segments (vader_segment.*): one directory per run
+    directory, so that the segments a SIGKILLed mpirun could not remove are found and removed by the next start."""
+    digest = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]
+    return Path("/dev/shm") / f"rollout-hpc.mpi.{digest}"
+
+
 def _write_log(log: BinaryIO, raw: bytes, path: Path, console: Console) -> bool:
     """Copy a line of the ranks' output to the run's log; on a full disk say so once and go on without it
     (the launcher must live on to record how the run ends). Returns whether to keep logging."""
@@ -88,11 +97,14 @@ def run_local(cfg: Config, run_dir: Path, console: Console | None = None) -> int
     cmd = mpirun_command(cfg, run_dir)
     manifest = rundir.read_manifest(run_dir)
     log_path = run_dir / rundir.LOGS / f"local-{len(manifest.get('local_runs', []))}.out"
+    shm = mpi_shm_dir(run_dir)
+    shutil.rmtree(shm, ignore_errors=True)  # a killed earlier start's; no other start of this run is going
+    shm.mkdir(mode=0o700)
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        env=launch_env(),
+        env={**launch_env(), "OMPI_MCA_btl_vader_backing_directory": str(shm)},
         start_new_session=True,  # a terminal's Ctrl-C reaches us only; we pass it on once
     )
     run_record = {
@@ -143,6 +155,7 @@ def run_local(cfg: Config, run_dir: Path, console: Console | None = None) -> int
         if proc.poll() is None:  # we are leaving early (an exception): do not orphan the ranks
             proc.terminate()
             proc.wait()
+        shutil.rmtree(shm, ignore_errors=True)
     exit_code = 128 - code if code < 0 else code
 
     def finish(manifest: dict) -> None:

@@ -1,0 +1,417 @@
+#!/usr/bin/env python
+"""Fault injection (issue 18, item 9): real local runs are hit by faults at random steps, resumed with
+`rollout-hpc resume` until they finish, and checked: every (step, prompt_id, sample_idx) logged exactly once, the
+final weights digest equal to an uninterrupted run's (on-policy, same seed), no leftover temp files, ring segments,
+Open MPI shared-memory segments or processes, every message naming its cause, and no phase past its time bound.
+
+    tools/chaos.py --rounds N [--seed S] [--launcher local] [--quick]
+
+A round is one run and the faults injected into it one after another (one fault each, or with --quick every
+local fault kind: two runs in all). The last line printed is one JSON line; exit 0 only if nothing was lost, nothing
+hung and every fault was survived. The run helpers are the resume tests' own (tests/test_resume_local.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h5py
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+from test_damaged_log import _chunk  # noqa: E402
+from test_disk_full import fill  # noqa: E402
+from test_loop import _rank_pid  # noqa: E402
+from test_resume_local import GROUP, PROMPTS, SLOW_REWARD, Interruptible, cli, logged_uids, write_run_config  # noqa: E402
+
+from rollout_hpc.exchange.ring import DEFAULT_RING_DIR  # noqa: E402
+from rollout_hpc.rundir_layout import TRAJECTORY_LOG  # noqa: E402
+from rollout_hpc.store.trajlog import TrajectoryReader  # noqa: E402
+
+# A reward that varies (so every step has a gradient and the digest means something), slowed like the resume
+# tests', and that faults once when chaos arms it: the first call to take the flag file raises, hangs or is NaN.
+FAULTY_REWARD = """
+import os, time
+_FLAG = {flag!r}
+
+def reward(prompt, text):
+    try:
+        os.rename(_FLAG, _FLAG + ".taken")  # exactly one call, in any reward worker, takes the fault
+    except FileNotFoundError:
+        time.sleep({sleep})
+        return (sum(map(ord, text)) % 7) / 6
+    kind = open(_FLAG + ".taken").read()
+    if kind == "raise":
+        raise ConnectionError("chaos: injected reward failure")
+    if kind == "hang":
+        time.sleep(3600)
+    return float("nan")
+"""
+assert "def reward(prompt, text)" in SLOW_REWARD  # the plugin spec write_run_config names stays valid
+
+# Every local fault kind, and the words its output must contain (the cause named).
+CAUSES = {
+    "kill9-generator": "continues it from its newest checkpoint",
+    "kill9-trainer": "continues it from its newest checkpoint",
+    "kill9-job": "resuming from step-",  # nothing of the run lives to speak: resume says where it continues
+    "signal-storm": "rollout-hpc resume",
+    "reward-raise": "reward errors 1",
+    "reward-hang": "reward errors 1",
+    "reward-nan": "returned nan",
+    "ckpt-truncate": "skipping damaged checkpoint",
+    "ckpt-flip": "skipping damaged checkpoint",
+    "log-truncate": "was damaged",
+    "log-flip": "was damaged",
+    "disk-full": "space",
+}
+COST_A_SAMPLE = {"reward-raise", "reward-hang"}  # by design: the run goes on, that sample scores 0
+NEEDS_ROOT = {"disk-full"}  # mounts a tmpfs
+PHASE_BOUND_S = 300  # one start of the run, until it exits: anything longer is a hang
+CHECKPOINT_EVERY = 2
+
+
+@dataclass
+class Round:
+    faults: list[str]
+    root: Path
+    steps: int
+    rng: random.Random
+    notes: list[str] = field(default_factory=list)
+    hangs: int = 0
+    declared_lost: set = field(default_factory=set)  # log rows a repair line said were lost
+    rows: list = field(default_factory=list)  # (step, prompt_id, sample_idx) of the finished run's log
+    failed: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.root / ("fs" if "disk-full" in self.faults else "") / "run"
+
+    @property
+    def flag(self) -> Path:
+        return self.root / "reward.fault"
+
+    def fail(self, fault: str, why: str) -> None:
+        self.failed.setdefault(fault, []).append(why)
+
+
+def config_for(directory: Path, name: str, steps: int, flag: Path) -> Path:
+    config = write_run_config(directory, name, steps=steps, sleep=0.05)
+    (directory / "slow_reward.py").write_text(FAULTY_REWARD.format(flag=str(flag), sleep=0.05))
+    return config
+
+
+SETS = ("--set", f"checkpoint.every_steps={CHECKPOINT_EVERY}", "--set", "task.reward_timeout=2")
+
+
+def reference_digest(work: Path, steps: int) -> str:
+    ref = work / "reference"
+    config = config_for(ref, "ref", steps, ref / "never")
+    done = cli("submit", config, "--local", "--run-dir", ref / "run", *SETS, cwd=ref, timeout=PHASE_BOUND_S)
+    if done.returncode != 0:
+        sys.exit(f"chaos: the uninterrupted reference run failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    return ckpt(ref / "run")["weights_sha256"]
+
+
+def ckpt(run_dir: Path) -> dict:
+    done = cli("ckpt", run_dir, "--json", cwd=run_dir.parent)
+    return json.loads(done.stdout) if done.returncode == 0 else {}
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        children = subprocess.run(["pgrep", "-P", str(todo.pop())], capture_output=True, text=True).stdout.split()
+        out += map(int, children)
+        todo += map(int, children)
+    return out
+
+
+def shm_segments(pids: list[int]) -> set[str]:
+    """/dev/shm files (Open MPI vader segments, rings) the processes have mapped."""
+    found = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        found |= {line.split(None, 5)[5] for line in maps.splitlines() if " /dev/shm/" in line}
+    return found
+
+
+def dump_stacks(pids: list[int], path: Path) -> None:
+    """A hang's evidence: each process's command line, kernel wait channel and (py-spy where installed) stacks."""
+    with open(path, "a") as f:
+        for pid in pids:
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                wchan = Path(f"/proc/{pid}/wchan").read_text()
+            except OSError:
+                continue
+            f.write(f"=== pid {pid} wchan {wchan}: {cmd}\n")
+            spy = subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True, check=False)
+            f.write(spy.stdout)
+
+
+def finish(rnd: Round, run: Interruptible) -> tuple[int | None, str]:
+    """Wait for a start of the run to exit; past the bound it is a hang: stacks dumped, the tree killed."""
+    try:
+        code = run.finish(timeout=PHASE_BOUND_S)
+    except subprocess.TimeoutExpired:
+        tree = [run.proc.pid, *descendants(run.proc.pid)]
+        dump_stacks(tree, rnd.root / "hang-stacks.txt")
+        for pid in tree:
+            os.kill(pid, signal.SIGKILL)
+        run.proc.wait()
+        rnd.hangs += 1
+        rnd.notes.append(f"hang: stacks in {rnd.root / 'hang-stacks.txt'}")
+        return None, run.output
+    return code, run.output
+
+
+def wait_for_step(run: Interruptible, step: int, seen: set[int], segments: set[str]) -> bool:
+    """Read the run's output up to step `step`, noting its processes and shm segments on the way."""
+    try:
+        run.wait_for_step(step)
+    except AssertionError:
+        return False
+    tree = [run.proc.pid, *descendants(run.proc.pid)]
+    seen.update(tree)
+    segments.update(shm_segments(tree))
+    return True
+
+
+def damage(path: Path, how: str, rng: random.Random) -> None:
+    """Cut a file at a random point, or flip 16 bytes of it: in a data chunk of the log (where they are read),
+    in the back half of a checkpoint."""
+    data = bytearray(path.read_bytes())
+    if how == "truncate":
+        data = data[: int(len(data) * rng.uniform(0.3, 0.9))]
+    else:
+        if path.name == TRAJECTORY_LOG:
+            dataset = rng.choice(["traj/reward", "traj/step", "traj/response_ids"])
+            with h5py.File(path, "r", libver="latest", swmr=True, locking=False) as f:
+                chunks = f[dataset].id.get_num_chunks()
+            offset, size = _chunk(path, dataset, rng.randrange(chunks))
+            at = offset + size // 2 - 8
+        else:
+            at = rng.randrange(len(data) // 2, len(data) - 16)
+        data[at : at + 16] = bytes(b ^ 0xFF for b in data[at : at + 16])
+    path.write_bytes(bytes(data))
+
+
+def inject(rnd: Round, fault: str, run: Interruptible) -> str:
+    """Inject `fault` into the running `run` (already past a random step); returns what to do next."""
+    run_dir = rnd.run_dir
+    if fault in ("kill9-generator", "kill9-trainer"):
+        mpirun = json.loads((run_dir / "manifest.json").read_text())["local_runs"][-1]["pid"]
+        os.kill(_rank_pid(mpirun, "gen0" if fault == "kill9-generator" else "train0"), signal.SIGKILL)
+    elif fault == "kill9-job":
+        for pid in [run.proc.pid, *descendants(run.proc.pid)]:  # every process of the run at once
+            os.kill(pid, signal.SIGKILL)
+    elif fault == "signal-storm":
+        for sig in rnd.rng.choices([signal.SIGUSR1, signal.SIGTERM], weights=[3, 1], k=rnd.rng.randint(3, 6)):
+            run.proc.send_signal(sig)
+            time.sleep(rnd.rng.uniform(0.0, 0.1))
+    elif fault.startswith("reward-"):
+        (rnd.flag.parent / (rnd.flag.name + ".taken")).unlink(missing_ok=True)
+        rnd.flag.write_text(fault.split("-")[1])
+    elif fault.startswith(("ckpt-", "log-")):
+        run.proc.send_signal(signal.SIGUSR1)  # stopped first: the damage is done to files at rest
+    elif fault == "disk-full":
+        newest = max((run_dir / "checkpoints").glob("step-*.h5"))
+        fill(run_dir.parent, newest.stat().st_size // 2)  # the next checkpoint cannot fit
+    return fault
+
+
+def after_stop(rnd: Round, fault: str) -> None:
+    """Damage done while the run is stopped, and freeing the disk before the resume."""
+    if fault.startswith("ckpt-"):
+        damage(max((rnd.run_dir / "checkpoints").glob("step-*.h5")), fault.split("-")[1], rnd.rng)
+    elif fault.startswith("log-"):
+        damage(rnd.run_dir / TRAJECTORY_LOG, fault.split("-")[1], rnd.rng)
+    elif fault == "disk-full":
+        (rnd.run_dir.parent / "filler").unlink(missing_ok=True)
+
+
+def play(rnd: Round, reference: str) -> None:
+    """One run: start it, inject each fault at a random later step, resume after each until the run is done."""
+    config = config_for(rnd.root, "chaos" + rnd.root.name, rnd.steps, rnd.flag)
+    start = ("submit", config, "--local", "--run-dir", rnd.run_dir, *SETS)
+    seen: dict[str, set[int]] = {}  # per fault: the run's processes and shm segments while it was injected
+    segments: dict[str, set[str]] = {}
+    outputs: dict[str, str] = {}
+    faults = list(rnd.faults)
+    done_step = CHECKPOINT_EVERY  # the first fault comes once a checkpoint exists
+    finished, previous = False, None
+    for _ in range(3 * len(rnd.faults) + 3):
+        run = Interruptible(*start, cwd=rnd.root)
+        injected, at = [], done_step
+        while faults:  # faults that cost a sample leave the run going: the next one joins it
+            at = min(at + rnd.rng.randint(1, 2), rnd.steps - 1)
+            if not wait_for_step(run, at, seen.setdefault(faults[0], set()), segments.setdefault(faults[0], set())):
+                rnd.fail(faults.pop(0), f"the run ended before step {at}")
+                break
+            injected.append(inject(rnd, faults.pop(0), run))
+            if injected[-1] not in COST_A_SAMPLE or not faults or faults[0] not in COST_A_SAMPLE:
+                break
+        code, out = finish(rnd, run)
+        note_repair(rnd, out)
+        for fault in [*injected, *([previous] if previous else [])]:  # the resume after a fault speaks of it too
+            outputs[fault] = outputs.get(fault, "") + out
+        for fault in injected:
+            if fault in COST_A_SAMPLE and code != 0:
+                rnd.fail(fault, f"exit {code}: a reward that {fault[7:]}s must cost a sample, not the run")
+        finished = code == 0 and not faults
+        if code is None or finished:
+            break
+        for fault in injected:
+            after_stop(rnd, fault)
+        previous = injected[-1] if injected else None
+        start = ("resume", rnd.run_dir, "--local")
+        done_step = ckpt(rnd.run_dir).get("step", 0)
+    check(rnd, reference, outputs, seen, segments, finished)
+
+
+def note_repair(rnd: Round, text: str) -> None:
+    for a, b in re.findall(r"lost: the log rows of steps (\d+)\.\.(\d+)", text):
+        rnd.declared_lost |= {
+            (p // PROMPTS, p, k) for p in range(int(a) * PROMPTS, (int(b) + 1) * PROMPTS) for k in range(GROUP)
+        }
+
+
+def check(rnd: Round, reference: str, outputs: dict, seen: dict, segments: dict, finished: bool) -> None:
+    run_dir = rnd.run_dir
+    status: Counter = Counter()
+    try:
+        rnd.rows = logged_uids(run_dir)
+        with TrajectoryReader(run_dir) as r:
+            status = Counter(r.column("reward_status").tolist())
+    except Exception as exc:  # noqa: BLE001 (an unreadable log loses everything: a finding)
+        rnd.notes.append(f"cannot read the log: {exc}")
+    for fault in rnd.faults:
+        if CAUSES[fault] not in outputs.get(fault, ""):
+            rnd.fail(fault, f"the output does not name the cause ({CAUSES[fault]!r})")
+    if not finished:
+        for fault in rnd.faults:
+            rnd.fail(fault, "the run did not finish")
+        return
+    if not set(rnd.faults) & COST_A_SAMPLE and ckpt(run_dir).get("weights_sha256") != reference:
+        for fault in rnd.faults:
+            rnd.fail(fault, "final weights differ from the uninterrupted run's")
+    expected_errors = sum(f in COST_A_SAMPLE for f in rnd.faults)
+    if sum(v for k, v in status.items() if k != 0) != expected_errors:
+        rnd.notes.append(f"reward statuses {dict(status)}, expected {expected_errors} errors")
+        for fault in rnd.faults:
+            rnd.fail(fault, "unexpected reward errors in the log")
+    temp = [str(p) for p in run_dir.rglob("*") if ".tmp" in p.name]
+    rings = [str(p) for p in Path(DEFAULT_RING_DIR).glob(f"rollout-hpc.chaos{rnd.root.name}.*")]
+    for fault in rnd.faults:
+        left = temp + rings + sorted(s for s in segments.get(fault, ()) if Path(s).exists())
+        alive = [pid for pid in seen.get(fault, ()) if "python" in _cmdline(pid) or "mpirun" in _cmdline(pid)]
+        if left or alive:
+            rnd.notes.append(f"{fault}: leftovers: files {left}, processes {alive}")
+            rnd.fail(fault, "leftover files or processes")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--launcher", choices=["local", "slurm"], default="local")
+    parser.add_argument("--quick", action="store_true", help="one round of each local fault kind (CI)")
+    parser.add_argument("--keep", action="store_true", help="keep the runs' directories")
+    args = parser.parse_args(argv)
+    if args.launcher == "slurm":
+        print(
+            "chaos: the Slurm faults (scancel during a checkpoint, a slurmd killed mid-job) are not done yet",
+            file=sys.stderr,
+        )
+        return 2
+    seed = args.seed if args.seed is not None else random.randrange(1 << 30)
+    rng = random.Random(seed)
+    kinds = [k for k in CAUSES if os.geteuid() == 0 or k not in NEEDS_ROOT]
+    if args.quick:  # everything that keeps the digest in one run, the sample-costing rewards in another
+        rng.shuffle(kinds)
+        plans = [[k for k in kinds if k not in COST_A_SAMPLE], [k for k in kinds if k in COST_A_SAMPLE]]
+    else:
+        plans = [[rng.choice(kinds)] for _ in range(args.rounds)]
+    # enough steps for each fault's random step (1..2 past the last checkpoint) and the step lost to each stop
+    steps = max(len(p) for p in plans) * 3 + 2 * CHECKPOINT_EVERY
+    work = Path(tempfile.mkdtemp(prefix="chaos-"))
+    started = time.monotonic()
+    reference = reference_digest(work, steps)
+    rounds = []
+    for i, plan in enumerate(plans):
+        rnd = Round(faults=plan, root=work / str(i), steps=steps, rng=random.Random(rng.randrange(1 << 30)))
+        rnd.root.mkdir()
+        if "disk-full" in plan:
+            (rnd.root / "fs").mkdir()
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(rnd.root / "fs")], check=True)
+        try:
+            play(rnd, reference)
+        finally:
+            if "disk-full" in plan:
+                subprocess.run(["umount", "-l", str(rnd.root / "fs")], check=False)
+        rounds.append(rnd)
+        for fault in plan:
+            print(
+                f"round {i} {fault}: {'FAILED ' + '; '.join(rnd.failed[fault]) if fault in rnd.failed else 'survived'}"
+            )
+        for note in rnd.notes:
+            print(f"round {i}: {note}")
+    print(f"chaos: seed {seed}, {time.monotonic() - started:.0f}s, runs in {work}", file=sys.stderr)
+    result = summarize(rounds)
+    if not args.keep and result["survived"] == result["faults_injected"]:
+        subprocess.run(["rm", "-rf", str(work)], check=False)
+    print(json.dumps(result))
+    ok = result["samples_lost"] == 0 and result["hangs"] == 0 and result["survived"] == result["faults_injected"]
+    return 0 if ok else 1
+
+
+def summarize(rounds: list[Round]) -> dict:
+    by_fault: dict[str, dict[str, int]] = {}
+    lost = duplicates = declared = 0
+    for rnd in rounds:
+        for fault in rnd.faults:
+            entry = by_fault.setdefault(fault, {"injected": 0, "survived": 0})
+            entry["injected"] += 1
+            entry["survived"] += fault not in rnd.failed
+        rows = rnd.rows
+        expected = {(p // PROMPTS, p, k) for p in range(rnd.steps * PROMPTS) for k in range(GROUP)}
+        duplicates += len(rows) - len(set(rows))
+        missing = expected - set(rows)
+        declared += len(missing & rnd.declared_lost)
+        lost += len(missing - rnd.declared_lost)
+    return {
+        "faults_injected": sum(e["injected"] for e in by_fault.values()),
+        "survived": sum(e["survived"] for e in by_fault.values()),
+        "samples_lost": lost,
+        "duplicates": duplicates,
+        "declared_lost": declared,  # log rows of trained steps a damaged log lost, named by the repair line
+        "hangs": sum(r.hangs for r in rounds),
+        "by_fault": by_fault,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
