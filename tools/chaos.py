@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -35,10 +36,20 @@ sys.path.insert(0, str(REPO / "tests"))
 from test_damaged_log import _chunk  # noqa: E402
 from test_disk_full import fill  # noqa: E402
 from test_loop import _rank_pid  # noqa: E402
-from test_resume_local import GROUP, PROMPTS, SLOW_REWARD, Interruptible, cli, logged_uids, write_run_config  # noqa: E402
+from test_resume_local import (  # noqa: E402
+    GROUP,
+    PROMPTS,
+    SLOW_REWARD,
+    Interruptible,
+    cli,
+    logged_uids,
+    weights_digest,
+    write_run_config,
+)
 
 from rollout_hpc.exchange.ring import DEFAULT_RING_DIR  # noqa: E402
 from rollout_hpc.rundir_layout import TRAJECTORY_LOG  # noqa: E402
+from rollout_hpc.store.checkpoint import list_checkpoints  # noqa: E402
 from rollout_hpc.store.trajlog import TrajectoryReader  # noqa: E402
 
 # A reward that varies (so every step has a gradient and the digest means something), slowed like the resume
@@ -122,12 +133,7 @@ def reference_digest(work: Path, steps: int) -> str:
     done = cli("submit", config, "--local", "--run-dir", ref / "run", *SETS, cwd=ref, timeout=PHASE_BOUND_S)
     if done.returncode != 0:
         sys.exit(f"chaos: the uninterrupted reference run failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-    return ckpt(ref / "run")["weights_sha256"]
-
-
-def ckpt(run_dir: Path) -> dict:
-    done = cli("ckpt", run_dir, "--json", cwd=run_dir.parent)
-    return json.loads(done.stdout) if done.returncode == 0 else {}
+    return weights_digest(ref / "run")
 
 
 def descendants(pid: int) -> list[int]:
@@ -165,28 +171,40 @@ def dump_stacks(pids: list[int], path: Path) -> None:
             f.write(spy.stdout)
 
 
+def hung(rnd: Round, run: Interruptible) -> None:
+    """A start of the run past its time bound: its processes' stacks dumped, then all of them killed."""
+    tree = [run.proc.pid, *descendants(run.proc.pid)]
+    dump_stacks(tree, rnd.root / "hang-stacks.txt")
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    rnd.hangs += 1
+    rnd.notes.append(f"hang: stacks in {rnd.root / 'hang-stacks.txt'}")
+
+
 def finish(rnd: Round, run: Interruptible) -> tuple[int | None, str]:
-    """Wait for a start of the run to exit; past the bound it is a hang: stacks dumped, the tree killed."""
+    """Wait for a start of the run to exit; past the bound it is a hang (None)."""
     try:
         code = run.finish(timeout=PHASE_BOUND_S)
     except subprocess.TimeoutExpired:
-        tree = [run.proc.pid, *descendants(run.proc.pid)]
-        dump_stacks(tree, rnd.root / "hang-stacks.txt")
-        for pid in tree:
-            os.kill(pid, signal.SIGKILL)
+        hung(rnd, run)
         run.proc.wait()
-        rnd.hangs += 1
-        rnd.notes.append(f"hang: stacks in {rnd.root / 'hang-stacks.txt'}")
         return None, run.output
     return code, run.output
 
 
-def wait_for_step(run: Interruptible, step: int, seen: set[int], segments: set[str]) -> bool:
-    """Read the run's output up to step `step`, noting its processes and shm segments on the way."""
+def wait_for_step(rnd: Round, run: Interruptible, step: int, seen: set[int], segments: set[str]) -> bool:
+    """Read the run's output up to step `step` (within the time bound), noting its processes and shm segments."""
+    timer = threading.Timer(PHASE_BOUND_S, hung, (rnd, run))
+    timer.start()
     try:
         run.wait_for_step(step)
     except AssertionError:
         return False
+    finally:
+        timer.cancel()
     tree = [run.proc.pid, *descendants(run.proc.pid)]
     seen.update(tree)
     segments.update(shm_segments(tree))
@@ -261,7 +279,9 @@ def play(rnd: Round, reference: str) -> None:
         injected, at = [], done_step
         while faults:  # faults that cost a sample leave the run going: the next one joins it
             at = min(at + rnd.rng.randint(1, 2), rnd.steps - 1)
-            if not wait_for_step(run, at, seen.setdefault(faults[0], set()), segments.setdefault(faults[0], set())):
+            if not wait_for_step(
+                rnd, run, at, seen.setdefault(faults[0], set()), segments.setdefault(faults[0], set())
+            ):
                 rnd.fail(faults.pop(0), f"the run ended before step {at}")
                 break
             injected.append(inject(rnd, faults.pop(0), run))
@@ -281,7 +301,8 @@ def play(rnd: Round, reference: str) -> None:
             after_stop(rnd, fault)
         previous = injected[-1] if injected else None
         start = ("resume", rnd.run_dir, "--local")
-        done_step = ckpt(rnd.run_dir).get("step", 0)
+        saved = list_checkpoints(rnd.run_dir)  # in-process: a CLI start per resume would double the CPU time
+        done_step = saved[-1].step if saved else 0
     check(rnd, reference, outputs, seen, segments, finished)
 
 
@@ -308,7 +329,7 @@ def check(rnd: Round, reference: str, outputs: dict, seen: dict, segments: dict,
         for fault in rnd.faults:
             rnd.fail(fault, "the run did not finish")
         return
-    if not set(rnd.faults) & COST_A_SAMPLE and ckpt(run_dir).get("weights_sha256") != reference:
+    if not set(rnd.faults) & COST_A_SAMPLE and weights_digest(run_dir) != reference:
         for fault in rnd.faults:
             rnd.fail(fault, "final weights differ from the uninterrupted run's")
     expected_errors = sum(f in COST_A_SAMPLE for f in rnd.faults)
@@ -320,9 +341,10 @@ def check(rnd: Round, reference: str, outputs: dict, seen: dict, segments: dict,
     rings = [str(p) for p in Path(DEFAULT_RING_DIR).glob(f"rollout-hpc.chaos{rnd.root.name}.*")]
     for fault in rnd.faults:
         left = temp + rings + sorted(s for s in segments.get(fault, ()) if Path(s).exists())
-        alive = [pid for pid in seen.get(fault, ()) if "python" in _cmdline(pid) or "mpirun" in _cmdline(pid)]
+        alive = {pid for pid in seen.get(fault, ()) if "python" in _cmdline(pid) or "mpirun" in _cmdline(pid)}
+        alive |= {pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if str(run_dir) in _cmdline(pid)}
         if left or alive:
-            rnd.notes.append(f"{fault}: leftovers: files {left}, processes {alive}")
+            rnd.notes.append(f"{fault}: leftovers: files {left}, processes {sorted(alive)}")
             rnd.fail(fault, "leftover files or processes")
 
 
