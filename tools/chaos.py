@@ -4,11 +4,12 @@
 final weights digest equal to an uninterrupted run's (on-policy, same seed), no leftover temp files, ring segments,
 Open MPI shared-memory segments or processes, every message naming its cause, and no phase past its time bound.
 
-    tools/chaos.py --rounds N [--seed S] [--launcher local] [--quick]
+    tools/chaos.py --rounds N [--seed S] [--launcher local|slurm] [--quick]
 
 A round is one run and the faults injected into it one after another (one fault each, or with --quick every
 local fault kind: two runs in all). The last line printed is one JSON line; exit 0 only if nothing was lost, nothing
 hung and every fault was survived. The run helpers are the resume tests' own (tests/test_resume_local.py).
+With --launcher slurm (a running cluster, SLURM_CONF set) the fault is scancel during a checkpoint write.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import h5py
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
+from conftest import SlurmCluster  # noqa: E402
 from test_damaged_log import _chunk  # noqa: E402
 from test_disk_full import fill  # noqa: E402
 from test_loop import _rank_pid  # noqa: E402
@@ -46,6 +48,7 @@ from test_resume_local import (  # noqa: E402
     weights_digest,
     write_run_config,
 )
+from test_resume_slurm import job_log, submitted_job  # noqa: E402
 
 from rollout_hpc.exchange.ring import DEFAULT_RING_DIR  # noqa: E402
 from rollout_hpc.rundir_layout import TRAJECTORY_LOG  # noqa: E402
@@ -88,6 +91,7 @@ CAUSES = {
     "log-flip": "was damaged",
     "disk-full": "space",
 }
+SLURM_CAUSES = {"scancel-in-checkpoint": "stopped by SIGTERM (scancel)"}  # the batch script's line
 COST_A_SAMPLE = {"reward-raise", "reward-hang"}  # by design: the run goes on, that sample scores 0
 NEEDS_ROOT = {"disk-full"}  # mounts a tmpfs
 PHASE_BOUND_S = 300  # one start of the run, until it exits: anything longer is a hang
@@ -306,6 +310,48 @@ def play(rnd: Round, reference: str) -> None:
     check(rnd, reference, outputs, seen, segments, finished)
 
 
+def play_slurm(rnd: Round, reference: str, cluster: SlurmCluster) -> None:
+    """`rollout-hpc cancel` (scancel) while a checkpoint is being written (its temp file exists), then
+    `rollout-hpc resume` (sbatch) until the run is done."""
+    config = config_for(rnd.root, "chaos" + rnd.root.name, rnd.steps, rnd.flag)
+    run_dir, fault = rnd.run_dir, rnd.faults[0]
+    job = submitted_job(cli("submit", config, "--run-dir", run_dir, *SETS, "--set", "launcher=slurm", cwd=rnd.root))
+    checkpoints, deadline, caught = run_dir / "checkpoints", time.monotonic() + PHASE_BOUND_S, False
+    first = rnd.rng.randint(1, 3)  # the checkpoint write to cut into (not the last: steps run on after it)
+    next_look = 0.0
+    while not caught and time.monotonic() < deadline:
+        names = os.listdir(checkpoints) if checkpoints.is_dir() else []
+        writing = [n for n in names if ".tmp-" in n]
+        caught = bool(writing) and len(names) - len(writing) >= first
+        if caught:
+            cluster.run("scancel", job, check=False)  # at once: a CLI start would miss the write
+            if not (checkpoints / writing[0]).exists():
+                rnd.notes.append(f"{fault}: the checkpoint write was done before scancel returned")
+        elif time.monotonic() > next_look:  # scontrol is slow: the write must not be missed while it runs
+            if cluster.job_state(int(job))[1]:
+                break
+            next_look = time.monotonic() + 1
+    if not caught:
+        rnd.fail(fault, "never saw a checkpoint being written")
+    outputs, finished = {fault: ""}, False
+    for _ in range(4):
+        try:
+            cluster.wait_job(int(job), timeout=PHASE_BOUND_S)
+        except TimeoutError:
+            rnd.hangs += 1
+            rnd.notes.append(f"hang: job {job} still running after {PHASE_BOUND_S}s")
+            cli("cancel", run_dir, cwd=rnd.root)
+            break
+        outputs[fault] += job_log(run_dir, job)
+        resumed = cli("resume", run_dir, cwd=rnd.root)
+        outputs[fault] += resumed.stdout + resumed.stderr
+        if "already did all" in resumed.stdout:
+            finished = True
+            break
+        job = submitted_job(resumed)
+    check(rnd, reference, outputs, {}, {}, finished)
+
+
 def note_repair(rnd: Round, text: str) -> None:
     for a, b in re.findall(r"lost: the log rows of steps (\d+)\.\.(\d+)", text):
         rnd.declared_lost |= {
@@ -323,8 +369,9 @@ def check(rnd: Round, reference: str, outputs: dict, seen: dict, segments: dict,
     except Exception as exc:  # noqa: BLE001 (an unreadable log loses everything: a finding)
         rnd.notes.append(f"cannot read the log: {exc}")
     for fault in rnd.faults:
-        if CAUSES[fault] not in outputs.get(fault, ""):
-            rnd.fail(fault, f"the output does not name the cause ({CAUSES[fault]!r})")
+        cause = {**CAUSES, **SLURM_CAUSES}[fault]
+        if cause not in outputs.get(fault, ""):
+            rnd.fail(fault, f"the output does not name the cause ({cause!r})")
     if not finished:
         for fault in rnd.faults:
             rnd.fail(fault, "the run did not finish")
@@ -363,22 +410,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one round of each local fault kind (CI)")
     parser.add_argument("--keep", action="store_true", help="keep the runs' directories")
     args = parser.parse_args(argv)
+    cluster = None
     if args.launcher == "slurm":
-        print(
-            "chaos: the Slurm faults (scancel during a checkpoint, a slurmd killed mid-job) are not done yet",
-            file=sys.stderr,
-        )
-        return 2
+        conf = os.environ.get("SLURM_CONF")
+        if not conf or subprocess.run(["squeue", "-h"], capture_output=True).returncode != 0:
+            print(
+                "chaos: --launcher slurm needs a running Slurm cluster and SLURM_CONF naming its slurm.conf "
+                "(the local one: tools/slurm_cluster.sh start, SLURM_CONF=/tmp/rollout-slurm/slurm.conf). "
+                "Not done yet: a slurmd killed mid-job.",
+                file=sys.stderr,
+            )
+            return 2
+        cluster = SlurmCluster(dir=Path(conf).parent, conf=Path(conf), nodes=[], env=dict(os.environ))
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     rng = random.Random(seed)
-    kinds = [k for k in CAUSES if os.geteuid() == 0 or k not in NEEDS_ROOT]
+    kinds = [k for k in CAUSES if os.geteuid() == 0 or k not in NEEDS_ROOT] if cluster is None else list(SLURM_CAUSES)
     if args.quick:  # everything that keeps the digest in one run, the sample-costing rewards in another
         rng.shuffle(kinds)
         plans = [[k for k in kinds if k not in COST_A_SAMPLE], [k for k in kinds if k in COST_A_SAMPLE]]
     else:
         plans = [[rng.choice(kinds)] for _ in range(args.rounds)]
     # enough steps for each fault's random step (1..2 past the last checkpoint) and the step lost to each stop
-    steps = max(len(p) for p in plans) * 3 + 2 * CHECKPOINT_EVERY
+    steps = max(len(p) for p in plans) * 3 + 2 * CHECKPOINT_EVERY if cluster is None else 12
     work = Path(tempfile.mkdtemp(prefix="chaos-"))
     started = time.monotonic()
     reference = reference_digest(work, steps)
@@ -390,7 +443,10 @@ def main(argv: list[str] | None = None) -> int:
             (rnd.root / "fs").mkdir()
             subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(rnd.root / "fs")], check=True)
         try:
-            play(rnd, reference)
+            if cluster is None:
+                play(rnd, reference)
+            else:
+                play_slurm(rnd, reference, cluster)
         finally:
             if "disk-full" in plan:
                 subprocess.run(["umount", "-l", str(rnd.root / "fs")], check=False)
