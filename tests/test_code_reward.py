@@ -31,6 +31,7 @@ from tiny_hf import make_tiny_qwen
 from rollout_hpc.envs.registry import load_task
 from rollout_hpc.errors import RewardFatal, RewardSpecError, UserError
 from rollout_hpc.rewards import REWARD_ERROR, REWARD_OK, REWARD_TIMEOUT, RewardPool, builtin_reward
+from rollout_hpc.rewards.code_runner import TMPFS_DIRS
 from rollout_hpc.rewards.code_sandbox import (
     CodeLimits,
     CodeSandboxError,
@@ -130,8 +131,12 @@ def listener():
 @pytest.fixture(scope="module")
 def run_dir():
     """A stand-in for a run directory: root-owned, 0700, outside /tmp (which the sandbox replaces by its own)."""
-    base = Path(__file__).resolve().parents[2]
-    path = Path(tempfile.mkdtemp(prefix="rollout-code-test-run-", dir=base if os.access(base, os.W_OK) else None))
+    # Not under a directory the sandbox hides (a checkout cloned into /tmp would put it there): the program must
+    # meet the run directory's permissions, not an empty tmpfs.
+    hidden = [Path(d) for d in TMPFS_DIRS]
+    bases = [Path(__file__).resolve().parents[2], Path.home(), Path("/var/lib")]
+    base = next(b for b in bases if os.access(b, os.W_OK) and not any(b == h or h in b.parents for h in hidden))
+    path = Path(tempfile.mkdtemp(prefix="rollout-code-test-run-", dir=base))
     (path / "config.resolved.yaml").write_text("secret: 1\n")
     path.chmod(0o700)
     yield path
