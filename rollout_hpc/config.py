@@ -73,6 +73,11 @@ class RunSection(_Section):
         None,
         description="Run directory (default: runs/<name>). Put it on the shared filesystem; $VARS and ~ are expanded.",
     )
+    dir_mode: str = Field(
+        "0700",
+        description="Permissions of the run directory (octal): 0700 keeps checkpoints, logs and data private to you; "
+        "0750 (or 2770 with a shared group) shares them with your group.",
+    )
     seed: int = Field(0, description="Global seed; every rank derives its own from it.")
     program: Literal["train", "sft", "hello"] = Field(
         "train",
@@ -86,6 +91,21 @@ class RunSection(_Section):
         "every rank's Python stacks into logs/stacks-rank*.txt and ends (after a checkpoint where one can be written); "
         "0 = never. Counted from the end of start-up; raise it when one step can take longer.",
     )
+
+    @field_validator("dir_mode", mode="before")
+    @classmethod
+    def _dir_mode_is_octal(cls, v: object) -> str:
+        def owner_rwx(text: str) -> bool:
+            return bool(re.fullmatch(r"0?[0-7]{3,4}", text)) and int(text, 8) & 0o700 == 0o700
+
+        text = str(v)
+        if isinstance(v, int) and not isinstance(v, bool) and not owner_rwx(text):
+            text = f"{v:o}"  # YAML 1.1 read 0750 as the octal number 488; 750 or 2770 stay as written
+        if not owner_rwx(text):
+            raise ValueError(
+                f"'{text}' is not an octal mode that leaves the run's owner rwx; use e.g. 0700 (private) or 0750 (group)"
+            )
+        return text.zfill(4)
 
     @field_validator("name")
     @classmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -103,6 +104,30 @@ def test_dry_run_creates_complete_run_dir(tmp_path):
     assert f"ROLLOUT_RUN_DIR={run_dir}" in (run_dir / "job.sbatch").read_text()
     assert str(run_dir / "job.sbatch") in done.stdout
     assert not [p for p in (tmp_path / "runs").iterdir() if p.name.startswith(".")]  # no temporary left
+
+
+def test_run_directory_is_private_unless_shared_with_a_group(tmp_path):
+    """run.dir_mode: 0700 by default (checkpoints, logs and data are the user's own); 0750 shares with the group;
+    a mode that locks the owner out is refused before anything is made."""
+    for mode, expected in ((None, 0o700), ("0750", 0o750), ("2770", 0o2770)):
+        name = f"m{expected:o}"
+        extra = ["--set", f"run.dir_mode={mode}"] if mode else []
+        done = cli(
+            "submit",
+            str(HELLO),
+            "--dry-run",
+            "--set",
+            "launcher=slurm",
+            "--set",
+            f"run.name={name}",
+            *extra,
+            cwd=tmp_path,
+        )
+        assert done.returncode == 0, done.stderr
+        assert stat.S_IMODE((tmp_path / "runs" / name).stat().st_mode) == expected
+    done = cli("submit", str(HELLO), "--dry-run", "--set", "run.dir_mode=0600", "--set", "run.name=bad", cwd=tmp_path)
+    assert_user_error(done, "run.dir_mode", "'600' is not an octal mode that leaves the run's owner rwx")
+    assert not (tmp_path / "runs" / "bad").exists()
 
 
 def test_existing_run_dir_is_refused(tmp_path):

@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
+from pathlib import Path
 
+from test_cli import _processes_mentioning
 from test_loop import _rank_pid
-from test_resume_local import Interruptible, write_run_config
+from test_resume_local import STEPS, Interruptible, assert_exactly_once, cli, write_run_config
 
 
 def test_ctrl_c_checkpoints_and_a_killed_rank_says_how_to_continue(tmp_path):
@@ -29,3 +32,24 @@ def test_ctrl_c_checkpoints_and_a_killed_rank_says_how_to_continue(tmp_path):
     code = run.finish()
     assert code not in (0, 75), run.output[-3000:]
     assert f"`rollout-hpc resume {run_dir}` continues it from its newest checkpoint (step-" in run.output
+
+
+def test_a_killed_launcher_leaves_no_orphans_and_resume_continues(tmp_path):
+    """kill -9 of the launcher alone (not its mpirun): the kernel's parent-death signal makes mpirun stop the ranks
+    (USR1: checkpoint and exit), so nothing runs on orphaned; `resume` then finishes the run, each sample once."""
+    run_dir = tmp_path / "run"
+    config = write_run_config(tmp_path, "run", steps=STEPS)
+    run = Interruptible("submit", config, "--local", "--run-dir", run_dir, cwd=tmp_path)
+    run.wait_for_step(2)
+    mpirun_pid = json.loads((run_dir / "manifest.json").read_text())["local_runs"][-1]["pid"]
+    os.kill(run.proc.pid, signal.SIGKILL)
+    run.finish()
+    deadline = time.monotonic() + 120
+    while _processes_mentioning(str(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _processes_mentioning(str(run_dir)) == [], "mpirun or ranks outlived their launcher"
+    status = Path(f"/proc/{mpirun_pid}/status")
+    assert not status.exists() or "State:\tZ" in status.read_text(), "mpirun outlived its launcher"
+    done = cli("resume", run_dir, "--local", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert_exactly_once(run_dir)

@@ -108,7 +108,7 @@ def create_run_dir(
             "user": os.environ.get("USER") or str(os.getuid()),
         }
         _write_json(tmp / MANIFEST, manifest)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; ranks of other tools may need to read it
+        os.chmod(tmp, int(cfg.run.dir_mode, 8))  # private (0700) unless run.dir_mode shares it with a group
         try:
             os.rename(tmp, run_dir)  # replaces an empty directory; fails on a non-empty one
         except OSError:
