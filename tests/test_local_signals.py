@@ -35,8 +35,9 @@ def test_ctrl_c_checkpoints_and_a_killed_rank_says_how_to_continue(tmp_path):
 
 
 def test_a_killed_launcher_leaves_no_orphans_and_resume_continues(tmp_path):
-    """kill -9 of the launcher alone (not its mpirun): the kernel's parent-death signal makes mpirun stop the ranks
-    (USR1: checkpoint and exit), so nothing runs on orphaned; `resume` then finishes the run, each sample once."""
+    """kill -9 of the launcher alone (not its mpirun): mpirun's next write to the launcher's closed pipe ends it and
+    the ranks, so nothing runs on orphaned; `resume` then finishes the run from the newest checkpoint, each sample
+    once."""
     run_dir = tmp_path / "run"
     config = write_run_config(tmp_path, "run", steps=STEPS)
     run = Interruptible("submit", config, "--local", "--run-dir", run_dir, cwd=tmp_path)

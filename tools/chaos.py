@@ -286,7 +286,8 @@ def play(rnd: Round, reference: str) -> None:
             if not wait_for_step(
                 rnd, run, at, seen.setdefault(faults[0], set()), segments.setdefault(faults[0], set())
             ):
-                rnd.fail(faults.pop(0), f"the run ended before step {at}")
+                tail = " | ".join(line.strip() for line in run.output.splitlines()[-6:])
+                rnd.fail(faults.pop(0), f"the run ended before step {at} (its last lines: {tail})")
                 break
             injected.append(inject(rnd, faults.pop(0), run))
             if injected[-1] not in COST_A_SAMPLE or not faults or faults[0] not in COST_A_SAMPLE:
@@ -304,6 +305,10 @@ def play(rnd: Round, reference: str) -> None:
         for fault in injected:
             after_stop(rnd, fault)
         previous = injected[-1] if injected else None
+        # A process killed with -9 holds its flocks (the log's one-writer lock) until the kernel has torn it down,
+        # which takes a moment for a rank with a GB of memory on a loaded machine: resume once it is gone, as a
+        # user would after seeing the job end (a resume while it is still there is refused, by design).
+        _wait_until_gone(rnd.run_dir, bound_s=60)
         start = ("resume", rnd.run_dir, "--local")
         saved = list_checkpoints(rnd.run_dir)  # in-process: a CLI start per resume would double the CPU time
         done_step = saved[-1].step if saved else 0
@@ -393,6 +398,15 @@ def check(rnd: Round, reference: str, outputs: dict, seen: dict, segments: dict,
         if left or alive:
             rnd.notes.append(f"{fault}: leftovers: files {left}, processes {sorted(alive)}")
             rnd.fail(fault, "leftover files or processes")
+
+
+def _wait_until_gone(run_dir: Path, bound_s: float) -> None:
+    """Until no process names the run directory on its command line (a previous start's ranks), at most bound_s."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        if not any(str(run_dir) in _cmdline(pid) for pid in map(int, filter(str.isdigit, os.listdir("/proc")))):
+            return
+        time.sleep(0.2)
 
 
 def _cmdline(pid: int) -> str:

@@ -7,7 +7,6 @@ World ranks are ordered like `srun --het-group=0,1`: all generator ranks first.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import shutil
@@ -75,18 +74,6 @@ def mpi_shm_dir(run_dir: Path) -> Path:
     return Path("/dev/shm") / f"rollout-hpc.mpi.{digest}"
 
 
-def _stop_when_parent_dies():
-    """For mpirun's preexec_fn: if this launcher dies (kill -9), the kernel sends mpirun SIGUSR1, which it forwards
-    to every rank: they checkpoint and stop as on a Slurm time-limit warning, instead of running on orphaned."""
-    libc = ctypes.CDLL(None, use_errno=True)  # loaded before the fork: the child only calls it
-    pr_set_pdeathsig = 1
-
-    def set_pdeathsig() -> None:
-        libc.prctl(pr_set_pdeathsig, signal.SIGUSR1, 0, 0, 0)
-
-    return set_pdeathsig
-
-
 def _write_log(log: BinaryIO, raw: bytes, path: Path, console: Console) -> bool:
     """Copy a line of the ranks' output to the run's log; on a full disk say so once and go on without it
     (the launcher must live on to record how the run ends). Returns whether to keep logging."""
@@ -119,7 +106,6 @@ def run_local(cfg: Config, run_dir: Path, console: Console | None = None) -> int
         stderr=subprocess.STDOUT,
         env={**launch_env(), "OMPI_MCA_btl_vader_backing_directory": str(shm)},
         start_new_session=True,  # a terminal's Ctrl-C reaches us only; we pass it on once
-        preexec_fn=_stop_when_parent_dies(),
     )
     run_record = {
         "pid": proc.pid,
