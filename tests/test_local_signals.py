@@ -14,6 +14,8 @@ from test_cli import _processes_mentioning
 from test_loop import _rank_pid
 from test_resume_local import STEPS, Interruptible, assert_exactly_once, cli, write_run_config
 
+from rollout_hpc.launch.status import local_state
+
 
 def test_ctrl_c_checkpoints_and_a_killed_rank_says_how_to_continue(tmp_path):
     run_dir = tmp_path / "run"
@@ -54,3 +56,20 @@ def test_a_killed_launcher_leaves_no_orphans_and_resume_continues(tmp_path):
     done = cli("resume", run_dir, "--local", cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert_exactly_once(run_dir)
+
+
+def test_a_zombie_mpirun_is_not_a_running_run():
+    """After kill -9 of a whole local job, its mpirun can linger as a zombie until something reaps it: status and
+    resume must see the run as ended (LOST), not RUNNING (resume would refuse to start)."""
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    try:
+        deadline = time.monotonic() + 10
+        while "State:\tZ" not in Path(f"/proc/{child}/status").read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        record = {"pid": child, "host": os.uname().nodename, "exit_code": None}
+        assert local_state(record).startswith("LOST")
+        assert local_state({**record, "pid": os.getpid()}) == "RUNNING"
+    finally:
+        os.waitpid(child, 0)

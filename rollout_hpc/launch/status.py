@@ -127,13 +127,24 @@ def local_state(record: dict) -> str:
         return f"ENDED (exit {record['exit_code']})"
     if record.get("host") != os.uname().nodename:
         return f"RUNNING? (on {record.get('host')})"
-    try:
-        os.kill(record["pid"], 0)
-    except ProcessLookupError:
+    if not _process_alive(record["pid"]):
         return "LOST (the launcher died without recording an exit code)"
-    except PermissionError:
-        pass
     return "RUNNING"
+
+
+def _process_alive(pid: int) -> bool:
+    """pid runs (a zombie does not: an mpirun killed with its launcher waits, dead, until something reaps it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc (not Linux): trust kill()
+    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
 
 @dataclass
