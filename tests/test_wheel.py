@@ -184,7 +184,8 @@ def _declared() -> dict[str, set[str]]:
 def _third_party_imports(root: Path) -> dict[str, set[str]]:
     """{top-level module: {files importing it}} for every import under `root` (in functions too) that is neither
     the standard library nor ours."""
-    local = {p.stem for p in root.glob("*.py")} | {"rollout_hpc", "synthetic_trajectories"}
+    # ours: the package, the modules beside the file, and the test suite's helpers (tools/chaos.py reuses them)
+    local = {p.stem for p in root.glob("*.py")} | {p.stem for p in (REPO / "tests").glob("*.py")} | {"rollout_hpc"}
     found: dict[str, set[str]] = {}
     for path in root.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -194,6 +194,13 @@ class Watchdog:
         report = f"rank {w.rank} ({w.role}, node {w.node_name}) made no progress for {idle:.0f}s {step}"
         self.hang_report = report
         self._dump(f"{report}; main thread in {where}")
+        # Said before the others hear of it: a trainer that checkpoints may end the job (MPI_Abort) at once.
+        message = (
+            f"{report} (run.hang_timeout {self.timeout:g}s); its main thread is in {where}. Every rank's Python "
+            f"stacks are in {self.logs}/stacks-rank*.txt. Ending the job; if a step can take this long, "
+            "raise run.hang_timeout"
+        )
+        print(f"rollout-hpc: hang: {message}", file=sys.stderr, flush=True)
         others = [r for r in range(w.size) if r != w.rank]
         for r in others:
             self.comm.send(json.dumps(report), dest=r, tag=_TAG_HANG)
@@ -206,13 +213,12 @@ class Watchdog:
                 acks += 1
             else:
                 time.sleep(0.01)
-        missing = "" if acks == len(others) else f" ({len(others) - acks} rank(s) did not answer: no stacks from them)"
-        message = (
-            f"{report} (run.hang_timeout {self.timeout:g}s); its main thread is in {where}. Every rank's Python "
-            f"stacks are in {self.logs}/stacks-rank*.txt{missing}. Ending the job; if a step can take this long, "
-            "raise run.hang_timeout"
-        )
-        print(f"rollout-hpc: hang: {message}", file=sys.stderr, flush=True)
+        if acks < len(others):
+            print(
+                f"rollout-hpc: hang: {len(others) - acks} rank(s) did not answer: no stacks from them",
+                file=sys.stderr,
+                flush=True,
+            )
         if saving:  # the trainers checkpoint and end the job; end it here only if they cannot
             time.sleep(max(self.timeout, 60.0))
         abort_world(f"hang: {report}; ending the job", EXIT_HANG)
