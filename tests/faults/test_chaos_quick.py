@@ -11,9 +11,11 @@ import os
 import subprocess
 import sys
 
+import pytest
 from chaos import CAUSES, NEEDS_ROOT
 
 
+@pytest.mark.chaos
 def test_every_local_fault_kind_is_survived_with_nothing_lost(repo_root, tmp_path):
     done = subprocess.run(
         [sys.executable, str(repo_root / "tools" / "chaos.py"), "--quick"],
