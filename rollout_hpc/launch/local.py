@@ -22,6 +22,7 @@ from rollout_hpc.config import Config
 from rollout_hpc.errors import UserError
 from rollout_hpc.launch import rundir
 from rollout_hpc.launch.executables import require_executable
+from rollout_hpc.launch.mpi_env import fresh_job_env
 from rollout_hpc.rundir_layout import EXIT_CONTINUE
 from rollout_hpc.store.atomic import is_disk_full, space_note
 
@@ -61,7 +62,8 @@ def record_mpirun_command(cfg: Config, run_dir: Path) -> list[str]:
 
 def launch_env() -> dict[str, str]:
     # Not PYTHONUNBUFFERED: it splits a print into two writes, which mpirun may interleave across ranks.
-    env = dict(os.environ, ROLLOUT_LAUNCHER="local")
+    env = fresh_job_env(os.environ)  # not a parent MPI process's variables: mpirun would exit 1 without a word
+    env["ROLLOUT_LAUNCHER"] = "local"
     if os.geteuid() == 0:  # Open MPI refuses root unless told it is intended
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     return env
@@ -144,7 +146,9 @@ def run_local(cfg: Config, run_dir: Path, console: Console | None = None) -> int
         ):
             assert proc.stdout is not None
             logging = True
+            printed = False
             for raw in proc.stdout:
+                printed = True
                 if logging:
                     logging = _write_log(log, raw, log_path, console)
                 console.print(raw.decode(errors="replace").rstrip("\n"), markup=False, highlight=False, soft_wrap=True)
@@ -172,7 +176,13 @@ def run_local(cfg: Config, run_dir: Path, console: Console | None = None) -> int
         console.print(
             f"the run checkpointed and stopped early; continue it with `rollout-hpc resume {run_dir}`", markup=False
         )
-    elif exit_code != 0:
+    elif exit_code != 0 and not printed:
+        console.print(
+            "mpirun printed nothing: Open MPI could not start the ranks; `rollout-hpc doctor` checks MPI on this "
+            "machine, and `mpirun -np 1 true` shows whether Open MPI starts at all",
+            markup=False,
+        )
+    if exit_code not in (0, EXIT_CONTINUE):
         from rollout_hpc.store.checkpoint import list_checkpoints  # h5py: not when the CLI starts
 
         saved = list_checkpoints(run_dir)  # published ones only: never a crashed save's .tmp file

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ from rollout_hpc.config import Config
 from rollout_hpc.errors import UserError
 from rollout_hpc.launch import rundir
 from rollout_hpc.launch.executables import require_executable
+from rollout_hpc.launch.mpi_env import fresh_job_env
 from rollout_hpc.launch.render import render_script
 
 SBATCH_TIMEOUT_S = 120
@@ -51,7 +53,10 @@ def sbatch(script: Path, *, dependency: str | None = None, export: str | None = 
         cmd.append(f"--export={export}")
     cmd.append(str(script))
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=SBATCH_TIMEOUT_S)
+        # The job inherits this environment (--export=ALL): not a parent MPI process's variables, which srun's ranks
+        # would take for their own.
+        env = fresh_job_env(os.environ)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=SBATCH_TIMEOUT_S, env=env)
     except subprocess.TimeoutExpired:
         raise UserError(
             f"sbatch did not answer within {SBATCH_TIMEOUT_S}s; is slurmctld reachable (`sinfo`)?"

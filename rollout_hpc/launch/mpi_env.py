@@ -1,0 +1,49 @@
+"""The environment a launcher hands to mpirun or sbatch, without what an MPI process leaves in its own.
+
+A process that has initialised MPI, even alone (mpi4py in a notebook or a test session: an Open MPI "singleton"),
+carries OMPI_MCA_ess=singleton, PMIX_SERVER_URI*, OMPI_COMM_WORLD_* and the like in its environment, and its
+children inherit them. An mpirun started with them takes itself for a rank of that job and exits with code 1
+without printing a word; a rank that srun starts with them looks for the wrong PMIx server. These variables
+describe the parent's MPI job, never the one about to start, so the launchers leave them out. A user's own
+settings (OMPI_MCA_btl, OMPI_MCA_pml, ...) pass through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+# What mpirun/orted and the PMIx server set for the processes of a job (Open MPI 4 and 5, PMIx, Slurm's PMI-2).
+RANK_PREFIXES = (
+    "PMIX_",
+    "PMI_",
+    "ORTE_",
+    "PRTE_",
+    "OMPI_COMM_WORLD_",
+    "OMPI_APP_CTX_",
+    "OMPI_MCA_orte_",
+    "OMPI_MCA_ess",
+    "OMPI_MCA_pmix",
+)
+RANK_NAMES = frozenset(
+    {
+        "OMPI_COMMAND",
+        "OMPI_ARGV",
+        "OMPI_FILE_LOCATION",
+        "OMPI_FIRST_RANKS",
+        "OMPI_NUM_APP_CTX",
+        "OMPI_UNIVERSE_SIZE",
+        "OMPI_MCA_initial_wdir",
+        "OMPI_MCA_shmem_RUNTIME_QUERY_hint",
+    }
+)
+
+
+def inherited_rank_vars(env: Mapping[str, str]) -> list[str]:
+    """The names in env that belong to an MPI job already running (this process's or a parent's)."""
+    return sorted(name for name in env if name in RANK_NAMES or name.startswith(RANK_PREFIXES))
+
+
+def fresh_job_env(env: Mapping[str, str]) -> dict[str, str]:
+    """env without the variables of an MPI job already running: what a new, separate job should start with."""
+    drop = set(inherited_rank_vars(env))
+    return {name: value for name, value in env.items() if name not in drop}
