@@ -618,9 +618,16 @@ class Config(_Section):
     logging: LoggingSection = Field(default_factory=LoggingSection)
     slurm: SlurmSection = Field(default_factory=SlurmSection)
     launcher: Literal["auto", "slurm", "local"] = "auto"
+    placement: Literal["disaggregated", "colocated"] = Field(
+        "disaggregated",
+        description="disaggregated: generator and trainer groups on nodes of their own (het job); colocated: both on "
+        "the same node(s), taking turns, each using all of the node's cores in its phase (on-policy, local launcher).",
+    )
 
     @model_validator(mode="after")
     def _feasible(self) -> Config:
+        if self.placement == "colocated":
+            self._check_colocated()
         cap = self.slurm.gpus_per_node
         for name in ("generator", "trainer"):
             g: GroupSection = getattr(self, name)
@@ -723,6 +730,24 @@ class Config(_Section):
                 )
         self.task.params["train"] = [{**s.model_dump(exclude_none=True), "quota": q} for s, q in zip(sources, quotas)]
         return self
+
+    def _check_colocated(self) -> None:
+        if self.exchange.max_staleness:
+            raise ValueError(
+                f"placement 'colocated' runs generation and training in turn on the same cores, so it is on-policy: "
+                f"exchange.max_staleness is {self.exchange.max_staleness}; set it to 0, or use placement "
+                "'disaggregated' to overlap them on separate nodes"
+            )
+        if self.generator.nodes != self.trainer.nodes:
+            raise ValueError(
+                f"placement 'colocated' puts the generator and the trainer on the same nodes, but generator.nodes is "
+                f"{self.generator.nodes} and trainer.nodes {self.trainer.nodes}; make them equal"
+            )
+        if self.launcher == "slurm":
+            raise ValueError(
+                "placement 'colocated' runs on the local launcher only for now (a Slurm het job gives its groups "
+                "separate nodes); use launcher: local, or placement: disaggregated on Slurm"
+            )
 
     # --- derived facts used by the launchers and the runtime -----------------
     @property

@@ -4,7 +4,10 @@
 The same tiny model (the built-in random-init Llama), task (the smoke config's arithmetic), prompts, group
 size, generation length, learning rate and number of steps, on this machine's CPUs, side by side:
 
-  ours_s0      rollout-hpc under mpirun: 1 generator rank + 1 trainer rank, max_staleness 0 (on-policy)
+  ours_colocated  rollout-hpc under mpirun, placement colocated: 1 generator + 1 trainer rank on one node,
+               taking turns on-policy, each with all of the machine's cores in its phase
+  ours_s0      rollout-hpc under mpirun, disaggregated: 1 generator rank + 1 trainer rank, one core each,
+               max_staleness 0 (on-policy)
   ours_s1      the same with max_staleness 1: generation of step s+1 overlaps training of step s
   trl          trl.GRPOTrainer (single process, use_cpu), same batch: P prompts x G completions per step
   plain        a single-process loop: HF model.generate, a teacher-forced forward, GRPO loss, AdamW step
@@ -25,7 +28,6 @@ import argparse
 import contextlib
 import io
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -72,32 +74,18 @@ def summarize(name, times, rewards, samples, tokens, t0, wall, threshold, extra=
 # --- ours -------------------------------------------------------------------------------
 
 
-def run_ours(steps: int, staleness: int, threshold: float) -> dict:
+def run_ours(steps: int, staleness: int, threshold: float, placement: str = "disaggregated") -> dict:
     import yaml
 
+    from rollout_hpc.launch.local import launch_env, mpirun_command
     from rollout_hpc.store.trajlog import read_metrics
 
-    cfg = smoke_cfg(steps, [f"exchange.max_staleness={staleness}"])
+    cfg = smoke_cfg(steps, [f"exchange.max_staleness={staleness}", f"placement={placement}"])
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
         run_dir = Path(tmp)
         (run_dir / "config.resolved.yaml").write_text(yaml.safe_dump(cfg.resolved()))
-        entry = [sys.executable, "-m", "rollout_hpc.runtime.entry", "--run-dir", str(run_dir)]
-        cmd = [
-            "mpirun",
-            "--oversubscribe",
-            "-np",
-            "1",
-            "-x",
-            "ROLLOUT_NODE=gen0",
-            *entry,
-            ":",
-            "-np",
-            "1",
-            "-x",
-            "ROLLOUT_NODE=train0",
-            *entry,
-        ]
-        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        cmd = mpirun_command(cfg, run_dir)  # what `rollout-hpc submit --local` runs
+        env = launch_env()
         t0 = time.time()
         done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
         wall = time.time() - t0
@@ -111,7 +99,7 @@ def run_ours(steps: int, staleness: int, threshold: float) -> dict:
         "train_ms": 1000 * train.mean(),
         "sync_ms": 1000 * col("sync_time")[1:].mean(),
     }
-    if staleness == 0:
+    if staleness == 0:  # colocated is on-policy too
         # Sequential on-policy pipeline: a step is generation (sampling + rewards) then the trainer's
         # forward/backward/optimizer step; the rest of the loop period is the framework's.
         extra["overhead_share"] = float(1 - (gen.sum() + train.sum()) / period.sum())
@@ -310,6 +298,24 @@ def run_trl(steps: int, threshold: float) -> dict:
     return summarize("trl", np.array(times), np.array(rewards), P * G, tokens * P, t0, wall, threshold)
 
 
+def ratios(results: dict) -> dict:
+    """samples/s ratios: colocated_vs_plain, onpolicy_vs_trl (our fastest on-policy mode vs TRL, which is on-policy),
+    best_vs_trl (our fastest mode, staleness allowed, vs TRL's), overhead_share (of our fastest on-policy mode)."""
+    rate = {k: r["samples_per_s"] for k, r in results.items() if isinstance(r, dict) and "samples_per_s" in r}
+    onpolicy = [k for k in ("ours_colocated", "ours_s0") if k in rate]
+    out = {}
+    if "ours_colocated" in rate and "plain" in rate:
+        out["colocated_vs_plain"] = rate["ours_colocated"] / rate["plain"]
+    if onpolicy:
+        fastest = max(onpolicy, key=rate.__getitem__)
+        out["overhead_share"] = results[fastest]["overhead_share"]
+        if "trl" in rate:
+            out["onpolicy_vs_trl"] = rate[fastest] / rate["trl"]
+            best = max((k for k in rate if k.startswith("ours")), key=rate.__getitem__)
+            out["best_vs_trl"] = rate[best] / rate["trl"]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="60 steps (< 1 minute)")
@@ -317,13 +323,16 @@ def main() -> int:
     ap.add_argument(
         "--threshold", type=float, default=None, help="rolling mean reward to time (default 0.3, quick 0.1)"
     )
-    ap.add_argument("--skip", default="", help="comma list of runs to skip: ours_s1, trl, plain")
+    ap.add_argument(
+        "--skip", default="", help="comma list of runs to skip: ours_colocated, ours_s0, ours_s1, trl, plain"
+    )
     args = ap.parse_args()
     steps = args.steps or (60 if args.quick else 250)
     threshold = args.threshold if args.threshold is not None else (0.1 if args.quick else 0.3)
     skip = set(filter(None, args.skip.split(",")))
     results: dict = {"steps": steps, "threshold": threshold}
     runs = {
+        "ours_colocated": lambda: run_ours(steps, 0, threshold, "colocated"),
         "ours_s0": lambda: run_ours(steps, 0, threshold),
         "ours_s1": lambda: run_ours(steps, 1, threshold),
         "trl": lambda: run_trl(steps, threshold),
@@ -353,14 +362,18 @@ def main() -> int:
                 ),
                 flush=True,
             )
-    for ours in ("ours_s0", "ours_s1"):
-        for base in ("trl", "plain"):
-            if "samples_per_s" in results.get(ours, {}) and "samples_per_s" in results.get(base, {}):
-                results[f"{ours}_vs_{base}_samples_per_s"] = (
-                    results[ours]["samples_per_s"] / results[base]["samples_per_s"]
-                )
+    results["ratios"] = ratios(results)
+    for key, value in results["ratios"].items():
+        print(f"{key:20s} {value:.3f}", flush=True)
+    failed = [name for name, r in results.items() if isinstance(r, dict) and "error" in r]
+    if failed:  # a ratio against a baseline that did not run measures nothing: say so in the exit code
+        print(
+            f"could not run: {', '.join(failed)} (install the baselines with `tools/setup.sh --bench`, "
+            "or leave a run out with --skip)",
+            file=sys.stderr,
+        )
     print(json.dumps(results))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -4,12 +4,19 @@
 # checks, and takes seconds. Run as root, or as a user with sudo (only apt-get uses sudo).
 #
 #   tools/setup.sh              # venv at ${ROLLOUT_VENV:-<repo>/.venv}, python from ${PYTHON:-python3}
+#   tools/setup.sh --bench      # also the benchmarks' baselines (TRL, Ray, datasets): tools/bench_*.py compare with them
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${ROLLOUT_VENV:-$REPO/.venv}
 PYTHON=${PYTHON:-python3}
 EXTRAS=train,analysis,test
+for arg in "$@"; do
+    case $arg in
+        --bench) EXTRAS=$EXTRAS,bench ;;
+        *) echo "usage: tools/setup.sh [--bench]" >&2; exit 2 ;;
+    esac
+done
 APT_PACKAGES=(slurm-wlm munge openmpi-bin libopenmpi-dev libpmix-dev build-essential)
 STAMP=$VENV/.rollout-setup-stamp
 

@@ -108,6 +108,7 @@ class WeightSync:
         self._latest: tuple[int, dict] | None = None
         self._taken = -1  # newest version handed out by poll()/receive()
         self._waiting = 0  # generator threads blocked in receive()
+        self._wake = threading.Event()  # set by receive(): the receiver thread stops its slow wait and probes
         self._closed = False
         self._error: BaseException | None = None
         self._stop_thread = False
@@ -168,6 +169,7 @@ class WeightSync:
                 self.publish(-1, {}, _stop=True)
         else:
             self._stop_thread = True
+            self._wake.set()
             if self._thread is not None:
                 self._thread.join()
         self.comm.Free()
@@ -179,7 +181,11 @@ class WeightSync:
         try:
             while not self._stop_thread:
                 if not self.comm.Iprobe(source=0, tag=_TAG_HEADER, status=status):
-                    time.sleep(self.WAITING_POLL_S if self._waiting else self._poll_interval)
+                    if self._waiting:
+                        time.sleep(self.WAITING_POLL_S)
+                    else:  # a slow probe may be long: receive() cuts it short, so a waiting rank probes at once
+                        self._wake.wait(self._poll_interval)
+                        self._wake.clear()
                     continue
                 blob = bytearray(status.Get_count(MPI.BYTE))
                 self.comm.Recv([blob, MPI.BYTE], source=0, tag=_TAG_HEADER)
@@ -253,6 +259,7 @@ class WeightSync:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             self._waiting += 1
+            self._wake.set()
             try:
                 while True:
                     got = self._take(min_version)

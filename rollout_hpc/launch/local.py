@@ -44,8 +44,10 @@ def mpirun_command(cfg: Config, run_dir: Path, python: str = sys.executable) -> 
     """One app context per emulated node: generator nodes, then trainer nodes."""
     # Ranks outnumber cores on a workstation; binding them would pile them onto a few cores.
     cmd = [require_mpirun(), "--oversubscribe", "--bind-to", "none"]
-    nodes = [(f"gen{i}", cfg.generator.tasks_per_node) for i in range(cfg.generator.nodes)]
-    nodes += [(f"train{i}", cfg.trainer.tasks_per_node) for i in range(cfg.trainer.nodes)]
+    # Colocated: generator and trainer ranks of emulated node i share its name, as they would share a host.
+    gen, train = ("node", "node") if cfg.placement == "colocated" else ("gen", "train")
+    nodes = [(f"{gen}{i}", cfg.generator.tasks_per_node) for i in range(cfg.generator.nodes)]
+    nodes += [(f"{train}{i}", cfg.trainer.tasks_per_node) for i in range(cfg.trainer.nodes)]
     for index, (node, tasks) in enumerate(nodes):
         if index:
             cmd.append(":")

@@ -43,11 +43,15 @@ def seed_everything(cfg, world) -> None:
     torch.manual_seed(seed)
 
 
-def set_cpu_threads(cfg, world) -> None:
-    """One rank must not take every core of a shared node: use the CPUs Slurm gave the task."""
+def cpu_threads(cfg, world) -> int:
+    """Torch intra-op threads of this rank. Disaggregated: the CPUs Slurm gave the task (a rank must not take every
+    core of a shared node). Colocated: the generator and trainer ranks of a node take turns (on-policy), so each
+    rank's phase has the node's cores, shared only with the other ranks of its own role there."""
+    if cfg.placement == "colocated":
+        cores = int(os.environ.get("SLURM_CPUS_ON_NODE", 0)) or len(os.sched_getaffinity(0))
+        return max(1, cores // (world.local_size or 1))
     section = cfg.generator if world.is_generator else cfg.trainer
-    threads = int(os.environ.get("SLURM_CPUS_PER_TASK", section.cpus_per_task))
-    torch.set_num_threads(max(1, threads))
+    return max(1, int(os.environ.get("SLURM_CPUS_PER_TASK", section.cpus_per_task)))
 
 
 def build_policy(cfg):
@@ -66,13 +70,15 @@ def main(world, cfg, run_dir: Path) -> int:
 
 
 def _run(world, cfg, run_dir: Path) -> int:
-    set_cpu_threads(cfg, world)
+    torch.set_num_threads(cpu_threads(cfg, world))
     seed_everything(cfg, world)
     model, tokenizer = build_policy(cfg)
     exchange = Exchange(world, cfg)
-    # The trainers' publish waits until each generator's receiver thread wakes up to join the broadcast:
-    # poll every 0.5 ms (not the 2 ms default), which took ~2 ms off every step of the quickstart.
-    weights = WeightSync(world, cfg, poll_interval=0.0005)
+    # The trainers' publish waits until each generator's receiver thread wakes up to join the broadcast. Off-policy,
+    # weights arrive while a generator generates: poll every 0.5 ms (not the 2 ms default; ~2 ms off every step).
+    # On-policy, nothing can arrive until the generator has finished its step and waits (then it probes every 50 us):
+    # a fast probe while it generates only takes the GIL from generation (py-spy: 40% of the generator's samples).
+    weights = WeightSync(world, cfg, poll_interval=0.0005 if cfg.exchange.max_staleness else 0.02)
     # Eval results travel generator group rank 0 -> the log writer on a communicator of their own (collective here).
     eval_comm = world.comm.Dup() if cfg.eval else None
     dog = watchdog.Watchdog(world, cfg, run_dir)  # collective too; ends a job that stopped making progress

@@ -1,0 +1,75 @@
+"""placement: colocated. The generator and trainer ranks share the node (one emulated node under the local launcher),
+take turns on-policy, and each uses all of the node's cores in its phase. A colocated run interrupted and resumed
+ends with the same weights as one never interrupted, each sample trained once. Real mpirun ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from types import SimpleNamespace
+
+import pytest
+from test_resume_local import STEPS, Interruptible, assert_exactly_once, cli, weights_digest, write_run_config
+
+from rollout_hpc.config import ConfigError, load_config
+from rollout_hpc.launch.local import mpirun_command
+from rollout_hpc.runtime.train_program import cpu_threads
+
+COLOCATED = "placement: colocated"
+
+
+def test_a_colocated_run_resumed_after_a_stop_matches_one_never_stopped(tmp_path):
+    whole = tmp_path / "whole"
+    done = cli(
+        "submit", write_run_config(tmp_path, "whole", extra=COLOCATED), "--local", "--run-dir", whole, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    manifest = json.loads((whole / "manifest.json").read_text())
+    assert manifest["local_command"].count("ROLLOUT_NODE=node0") == 2  # both groups on the one node
+
+    cut = tmp_path / "cut"
+    run = Interruptible(
+        "submit", write_run_config(tmp_path, "cut", extra=COLOCATED), "--local", "--run-dir", cut, cwd=tmp_path
+    )
+    run.wait_for_step(2)
+    run.proc.send_signal(signal.SIGUSR1)
+    assert run.finish() == 75, run.output[-3000:]
+    done = cli("resume", cut, "--local", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert weights_digest(cut) == weights_digest(whole)
+    assert_exactly_once(cut, STEPS)
+
+
+def test_each_colocated_rank_has_the_nodes_cores_in_its_phase(monkeypatch):
+    cfg = load_config(None, ["placement=colocated", "generator.cpus_per_task=1", "trainer.cpus_per_task=1"])
+    monkeypatch.delenv("SLURM_CPUS_ON_NODE", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    alone = SimpleNamespace(is_generator=True, local_size=1)
+    assert cpu_threads(cfg, alone) == cores
+    assert cpu_threads(cfg, SimpleNamespace(is_generator=False, local_size=2)) == max(1, cores // 2)
+    monkeypatch.setenv("SLURM_CPUS_ON_NODE", "48")
+    assert cpu_threads(cfg, alone) == 48
+    spread = load_config(None, ["generator.cpus_per_task=3"])  # disaggregated: the task's own CPUs
+    monkeypatch.delenv("SLURM_CPUS_ON_NODE")
+    assert cpu_threads(spread, alone) == 3
+
+
+def test_colocated_layout_on_the_local_launcher(tmp_path):
+    cfg = load_config(None, ["placement=colocated", "generator.nodes=2", "trainer.nodes=2", "trainer.tasks_per_node=2"])
+    command = " ".join(mpirun_command(cfg, tmp_path))
+    assert command.count("ROLLOUT_NODE=node0") == 2 and command.count("ROLLOUT_NODE=node1") == 2
+    assert "gen0" not in command and "train0" not in command
+
+
+@pytest.mark.parametrize(
+    ("overrides", "names"),
+    [
+        (["exchange.max_staleness=1"], "exchange.max_staleness"),
+        (["generator.nodes=2"], "generator.nodes"),
+        (["launcher=slurm"], "launcher: local"),
+    ],
+)
+def test_colocated_refuses_what_it_cannot_do(overrides, names):
+    with pytest.raises(ConfigError, match=names):
+        load_config(None, ["placement=colocated", *overrides])
