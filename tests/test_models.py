@@ -3,6 +3,8 @@
 import pytest
 import torch
 import yaml
+from hypothesis import given
+from hypothesis import strategies as st
 
 from rollout_hpc.config import ModelSection
 from rollout_hpc.errors import TaskError
@@ -14,6 +16,7 @@ from rollout_hpc.models import (
     load_tokenizer_for_run,
     response_logprobs,
 )
+from rollout_hpc.models.logprobs import left_pad, right_pad
 
 torch.set_num_threads(1)
 TINY = ModelSection(hidden_size=32, num_layers=1, num_heads=2, max_seq_len=32)
@@ -187,3 +190,21 @@ def test_bfloat16_model_keeps_rotary_buffers_in_float32_like_from_pretrained(tmp
     ids = torch.tensor([[1] + list(range(5, 30))])
     with torch.no_grad():
         assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+@given(
+    st.lists(st.lists(st.integers(0, 1000), max_size=9), max_size=12),
+    st.sampled_from([torch.long, torch.float32]),
+)
+def test_padding_puts_each_row_in_its_own_columns(seqs, dtype):
+    """left_pad / right_pad against the obvious row-by-row construction (empty rows and batches too)."""
+    width = max((len(s) for s in seqs), default=0)
+    for pad, left in ((left_pad, True), (lambda s, v: right_pad(s, v, dtype=dtype), False)):
+        out, mask = pad(seqs, 7)
+        assert out.shape == mask.shape == (len(seqs), width)
+        for i, s in enumerate(seqs):
+            lo = width - len(s) if left else 0
+            row = [7] * width
+            row[lo : lo + len(s)] = s
+            assert out[i].tolist() == row
+            assert mask[i].tolist() == [int(lo <= j < lo + len(s)) for j in range(width)]

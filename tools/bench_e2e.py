@@ -18,8 +18,8 @@ rolling-10-step mean reward >= the threshold (startup included), and for ours th
 the share of a step that is neither generation nor the trainer's forward/backward/optimizer step.
 The last line printed is one JSON object with every figure.
 
-    python tools/bench_e2e.py --quick     # < 1 minute
-    python tools/bench_e2e.py             # the full quickstart length
+    python tools/bench_e2e.py --quick     # < 1 minute: one round of 60 steps, no warm-up (a smoke run)
+    python tools/bench_e2e.py             # a warm-up, then 5 interleaved rounds of 250 steps: medians and spreads
 """
 
 from __future__ import annotations
@@ -316,10 +316,45 @@ def ratios(results: dict) -> dict:
     return out
 
 
+def median_of(repeats: list[dict]) -> dict:
+    """Each figure's median over the repeats, with samples_per_s's min and max and the number of repeats."""
+    out: dict = {}
+    for key in repeats[0]:
+        values = [r[key] for r in repeats if r.get(key) is not None]
+        out[key] = float(np.median(values)) if values else None
+    rates = [r["samples_per_s"] for r in repeats]
+    out.update(samples_per_s_min=min(rates), samples_per_s_max=max(rates), repeats=len(repeats))
+    return out
+
+
+def describe(name: str, r: dict, threshold: float) -> str:
+    if "error" in r:
+        return f"{name:14s} error: {r['error']}"
+    ttt = r["time_to_threshold_s"]
+    spread = f" [{r['samples_per_s_min']:.0f}-{r['samples_per_s_max']:.0f}]" if r.get("repeats", 1) > 1 else ""
+    line = (
+        f"{name:14s} {r['samples_per_s']:6.0f}{spread} samples/s {r['tokens_per_s']:7.0f} tok/s  step "
+        f"{r['step_ms']:5.1f} ms  wall {r['wall_s']:5.1f} s  to reward>={threshold}: "
+        f"{'-' if ttt is None else f'{ttt:.1f} s'}  reward {r['reward_first10']:.2f} -> {r['reward_last10']:.2f}"
+    )
+    if "overhead_share" in r:
+        line += (
+            f"  overhead {100 * r['overhead_share']:.1f}% (handoff {r['handoff_ms']:.1f} + prep {r['prep_ms']:.1f}"
+            f" + sync {r['sync_ms']:.1f} ms)"
+        )
+    return line
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="60 steps (< 1 minute)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="Full mode: one short warm-up run of each method, then --repeats rounds; each round runs every method "
+        "once, in an order rotated per round, so that ours and the baselines alternate. Printed: medians with the "
+        "min-max of samples/s; ratios: the median of the per-round ratios, with their min-max in ratios_spread.",
+    )
+    ap.add_argument("--quick", action="store_true", help="60 steps, one round, no warm-up (< 1 minute): a smoke run")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=None, help="rounds (default 5; --quick 1)")
     ap.add_argument(
         "--threshold", type=float, default=None, help="rolling mean reward to time (default 0.3, quick 0.1)"
     )
@@ -328,52 +363,67 @@ def main() -> int:
     )
     args = ap.parse_args()
     steps = args.steps or (60 if args.quick else 250)
+    repeats = args.repeats or (1 if args.quick else 5)
     threshold = args.threshold if args.threshold is not None else (0.1 if args.quick else 0.3)
     skip = set(filter(None, args.skip.split(",")))
-    results: dict = {"steps": steps, "threshold": threshold}
     runs = {
-        "ours_colocated": lambda: run_ours(steps, 0, threshold, "colocated"),
-        "ours_s0": lambda: run_ours(steps, 0, threshold),
-        "ours_s1": lambda: run_ours(steps, 1, threshold),
-        "trl": lambda: run_trl(steps, threshold),
-        "plain": lambda: run_plain(steps, threshold),
+        "ours_colocated": lambda n: run_ours(n, 0, threshold, "colocated"),
+        "ours_s0": lambda n: run_ours(n, 0, threshold),
+        "ours_s1": lambda n: run_ours(n, 1, threshold),
+        "trl": lambda n: run_trl(n, threshold),
+        "plain": lambda n: run_plain(n, threshold),
     }
-    for name, fn in runs.items():
-        if name in skip:
-            continue
+    names = [name for name in runs if name not in skip]
+    errors: dict[str, str] = {}
+
+    def attempt(name: str, n: int) -> dict | None:
         try:
-            results[name] = fn()
-        except Exception as exc:  # a baseline that cannot run here is reported, not fatal
-            results[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-        r = results[name]
-        if "error" in r:
-            print(f"{name:8s} error: {r['error']}", flush=True)
-        else:
-            ttt = r["time_to_threshold_s"]
-            print(
-                f"{name:8s} {r['samples_per_s']:8.0f} samples/s {r['tokens_per_s']:9.0f} tok/s  step {r['step_ms']:6.1f} ms  "
-                f"wall {r['wall_s']:5.1f} s  to reward>={threshold}: {'-' if ttt is None else f'{ttt:.1f} s'}  "
-                f"reward {r['reward_first10']:.2f} -> {r['reward_last10']:.2f}"
-                + (
-                    f"  overhead {100 * r['overhead_share']:.1f}% (handoff {r['handoff_ms']:.1f} + prep {r['prep_ms']:.1f}"
-                    f" + sync {r['sync_ms']:.1f} ms)"
-                    if "overhead_share" in r
-                    else ""
-                ),
-                flush=True,
-            )
-    results["ratios"] = ratios(results)
+            return runs[name](n)
+        except Exception as exc:  # a baseline that cannot run here is reported (and fails the benchmark)
+            errors[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            print(f"{name:14s} error: {errors[name]}", flush=True)
+            return None
+
+    if not args.quick:  # warm-up: caches, imports, the page cache; its figures are dropped
+        for name in names:
+            attempt(name, 10)
+    rounds: list[dict[str, dict]] = []
+    for k in range(repeats):
+        order = names[k % len(names) :] + names[: k % len(names)] if names else []
+        done: dict[str, dict] = {}
+        for name in order:
+            if name in errors:
+                continue
+            r = attempt(name, steps)
+            if r is not None:
+                done[name] = r
+                print(f"round {k + 1}/{repeats} " + describe(name, r, threshold), flush=True)
+        rounds.append(done)
+
+    results: dict = {"steps": steps, "threshold": threshold, "repeats": repeats}
+    for name in names:
+        mine = [r[name] for r in rounds if name in r]
+        results[name] = {"error": errors[name]} if name in errors or not mine else median_of(mine)
+    per_round = [ratios(r) for r in rounds]
+    keys = sorted({key for r in per_round for key in r})
+    results["ratios"] = {key: float(np.median([r[key] for r in per_round if key in r])) for key in keys}
+    results["ratios_spread"] = {
+        key: [min(r[key] for r in per_round if key in r), max(r[key] for r in per_round if key in r)] for key in keys
+    }
+    print("medians:")
+    for name in names:
+        print(describe(name, results[name], threshold), flush=True)
     for key, value in results["ratios"].items():
-        print(f"{key:20s} {value:.3f}", flush=True)
-    failed = [name for name, r in results.items() if isinstance(r, dict) and "error" in r]
-    if failed:  # a ratio against a baseline that did not run measures nothing: say so in the exit code
+        low, high = results["ratios_spread"][key]
+        print(f"{key:20s} {value:.3f}  [{low:.3f}-{high:.3f}]", flush=True)
+    if errors:  # a ratio against a baseline that did not run measures nothing: say so in the exit code
         print(
-            f"could not run: {', '.join(failed)} (install the baselines with `tools/setup.sh --bench`, "
+            f"could not run: {', '.join(errors)} (install the baselines with `tools/setup.sh --bench`, "
             "or leave a run out with --skip)",
             file=sys.stderr,
         )
     print(json.dumps(results))
-    return 1 if failed else 0
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ def generate(
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (start prompts with the tokenizer's BOS)")
     device = next(model.parameters()).device
-    ids, attn = left_pad([list(p) for p in prompts], pad_id, device)
+    ids, attn = left_pad(prompts, pad_id, device)
     positions = position_ids_from_mask(attn)
     stop = torch.tensor(sorted(params.stop_ids), dtype=torch.long, device=device)
     out_ids = torch.full((n, params.max_new_tokens), pad_id, dtype=torch.long, device=device)

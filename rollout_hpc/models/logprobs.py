@@ -7,35 +7,37 @@ same column and the result is [B, T_response], matching the algos' [B, T] conven
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rollout_hpc.algos import entropy_from_logits
 
 
-def left_pad(seqs: list[list[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists -> (ids [B, L], attention_mask [B, L]) padded on the left."""
-    width = max((len(s) for s in seqs), default=0)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if len(s):
-            ids[i, width - len(s) :] = torch.as_tensor(list(s), dtype=torch.long)
-            mask[i, width - len(s) :] = 1
-    return ids.to(device), mask.to(device)
-
-
-def right_pad(seqs: list[list[int]], pad_value, dtype=torch.long, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lists -> (values [B, T], mask [B, T]) padded on the right."""
-    width = max((len(s) for s in seqs), default=0)
+def _pad(seqs, pad_value, dtype, left: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scatter for the whole batch: a per-row tensor copy costs ~10 us, 1.3 ms for a step's 128 prompts."""
+    lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+    width = int(lengths.max(initial=0))
     out = torch.full((len(seqs), width), pad_value, dtype=dtype)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if len(s):
-            out[i, : len(s)] = torch.as_tensor(list(s), dtype=dtype)
-            mask[i, : len(s)] = 1
+    start = (width - lengths) if left else np.zeros_like(lengths)
+    column = np.arange(width)[None, :] - start[:, None]  # column within each row's tokens
+    mask = torch.from_numpy(((column >= 0) & (column < lengths[:, None])).astype(np.int64))
+    if lengths.sum():
+        flat = torch.as_tensor(np.concatenate([np.asarray(s) for s in seqs if len(s)]), dtype=dtype)
+        out[mask.bool()] = flat  # row-major order: each row's tokens land in its own columns, in order
     return out.to(device), mask.to(device)
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> (ids [B, L], attention_mask [B, L]) padded on the left."""
+    return _pad(seqs, pad_id, torch.long, True, device)
+
+
+def right_pad(seqs: Sequence[Sequence], pad_value, dtype=torch.long, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lists -> (values [B, T], mask [B, T]) padded on the right."""
+    return _pad(seqs, pad_value, dtype, False, device)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -134,6 +134,10 @@ def _stop_waiting(ckpt, sink, checkpointed, steps_done: int, why: watchdog.Inter
             file=sys.stderr,
         )
     if not why.stop:  # a hang: nothing more can be done here
+        # Every trainer's stacks are on disk before any of them ends the job: a rank may have heard of the hang from
+        # a peer (the allgather) before its own watchdog thread answered the report, and MPI_Abort would cut it off.
+        watchdog.record_stacks(f"the trainers end the job after a hang: {why}")
+        world.group_comm.Barrier()
         if world.group_rank == 0:
             print(
                 f"rollout-hpc: saved the checkpoint after step {steps_done} before ending the hung job", file=sys.stderr

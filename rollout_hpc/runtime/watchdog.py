@@ -84,6 +84,13 @@ def interruption() -> Interrupted | None:
     return None
 
 
+def record_stacks(why: str) -> None:
+    """This rank's stacks into its stacks file unless they are there already: for a rank that heard of a hang from
+    a peer (the trainers' allgather) before its watchdog thread served the report, and is about to end the job."""
+    if _current is not None:
+        _current.dump_once(why)
+
+
 def _thread_failed(args: threading.ExceptHookArgs) -> None:
     """Any thread of a rank dying of an exception ends the job: the main thread may be waiting for it."""
     if args.exc_type is SystemExit:
@@ -118,6 +125,8 @@ class Watchdog:
         self.in_wait = False
         self.hang_report: str | None = None
         self._stacks_file = None
+        self._dump_lock = threading.Lock()  # the watchdog thread and the main thread (record_stacks) both dump
+        self._dumped = False
         self._stop = threading.Event()
         self._tick = min(1.0, max(0.05, self.timeout / 10)) if self.timeout > 0 else 0.25
         self._previous_hook, threading.excepthook = threading.excepthook, _thread_failed
@@ -159,8 +168,19 @@ class Watchdog:
             self._stacks_file = open(self.stacks_path, "a")
         return self._stacks_file
 
+    def dump_once(self, why: str) -> None:
+        with self._dump_lock:
+            dumped = self._dumped
+        if not dumped:
+            self._dump(why)
+
     def _dump(self, why: str) -> None:
         """This rank's Python stacks (every thread) into its stacks file; py-spy's view too where installed."""
+        with self._dump_lock:
+            self._dumped = True
+            self._write_stacks(why)
+
+    def _write_stacks(self, why: str) -> None:
         f = self._stacks()
         w = self.world
         f.write(f"=== rank {w.rank} ({w.role}, node {w.node_name}, pid {os.getpid()}) {time.ctime()}: {why}\n")
