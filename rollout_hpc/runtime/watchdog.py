@@ -169,18 +169,17 @@ class Watchdog:
         return self._stacks_file
 
     def dump_once(self, why: str) -> None:
-        with self._dump_lock:
-            dumped = self._dumped
-        if not dumped:
-            self._dump(why)
+        with self._dump_lock:  # checked and written under one lock: two threads never both write
+            if not self._dumped:
+                self._write_stacks(why)
 
     def _dump(self, why: str) -> None:
         """This rank's Python stacks (every thread) into its stacks file; py-spy's view too where installed."""
         with self._dump_lock:
-            self._dumped = True
             self._write_stacks(why)
 
     def _write_stacks(self, why: str) -> None:
+        self._dumped = True
         f = self._stacks()
         w = self.world
         f.write(f"=== rank {w.rank} ({w.role}, node {w.node_name}, pid {os.getpid()}) {time.ctime()}: {why}\n")
