@@ -79,10 +79,11 @@ class RunSection(_Section):
         "0750 (or 2770 with a shared group) shares them with your group.",
     )
     seed: int = Field(0, description="Global seed; every rank derives its own from it.")
-    program: Literal["train", "sft", "hello"] = Field(
+    program: Literal["train", "sft", "hello", "profile"] = Field(
         "train",
         description="What the ranks run: 'train' (warmup.sft_steps of SFT, if any, then the RL loop), 'sft' "
-        "(only the warm-up: supervised fine-tuning on the dataset's answers), or 'hello' (prove the MPI world and exit).",
+        "(only the warm-up: supervised fine-tuning on the dataset's answers), 'hello' (prove the MPI world and exit), "
+        "or 'profile' (measure the costs `rollout-hpc plan` predicts from; `rollout-hpc profile` sets it).",
     )
     hang_timeout: float = Field(
         300.0,

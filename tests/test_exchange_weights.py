@@ -3,9 +3,11 @@
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from mpi_progs.launch import PROGS, mpirun, node_blocks, write_config
 
-from rollout_hpc.exchange.weights import check_staleness
+from rollout_hpc.exchange.weights import _transfers, check_staleness
 from rollout_hpc.trajectory import TrajectoryBatch
 
 
@@ -79,3 +81,21 @@ def test_the_weight_header_is_json_not_pickle():
         _Header.from_json(_Header(1, False, ["x"], ["|O"], [(1,)], 64).to_json())
     with pytest.raises(ValueError):  # a pickle is not a header
         _Header.from_json(pickle.dumps(header))
+
+
+@given(
+    sizes=st.lists(st.integers(0, 300), max_size=40),
+    chunk=st.integers(1, 128),
+)
+def test_transfers_cover_every_byte_once_in_order_within_a_chunk(sizes, chunk):
+    transfers = _transfers(sizes, chunk)
+    pieces = [p for t in transfers for p in t]
+    # Laid end to end, the pieces are the tensors' bytes in order, each once.
+    expected = [(i, lo) for i, size in enumerate(sizes) for lo in range(size)]
+    assert [(i, b) for i, lo, hi in pieces for b in range(lo, hi)] == expected
+    assert all(sum(hi - lo for _, lo, hi in t) <= chunk for t in transfers)
+    # A tensor of a chunk or more is never packed with another (it is sent from its own memory).
+    assert all(len(t) == 1 for t in transfers if any(sizes[i] >= chunk for i, _, _ in t))
+    # Small tensors share broadcasts: two neighbouring broadcasts of them hold more than a chunk together.
+    if all(s < chunk for s in sizes):
+        assert len(transfers) <= 2 * sum(sizes) / chunk + 1

@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ),  # contracts every layer shares; import nothing of ours
     ("algos",),  # the algorithm table (the config reads its names) and pure torch functions; imports nothing of ours
     ("config",),
-    ("plugins",),
+    ("plugins", "scale"),
     ("rewards",),
     ("envs",),
     ("store",),

@@ -2,11 +2,12 @@
 
 Trainers call `publish(version, {name: array})` together (trainer group rank 0
 holds the weights and sends). The sender first sends each generator a small
-header (version, names, dtypes, shapes) point to point, then broadcasts every
-tensor's bytes over the intercommunicator (`Bcast`, root=MPI.ROOT on the
-sender, PROC_NULL on the other trainers) in chunks of at most
-`exchange.weight_chunk_bytes`, straight from the array's memory into one
-receive buffer per version, never pickled.
+header (version, names, dtypes, shapes) point to point, then broadcasts the
+tensors' bytes, laid end to end, over the intercommunicator (`Bcast`,
+root=MPI.ROOT on the sender, PROC_NULL on the other trainers) in broadcasts
+of at most `exchange.weight_chunk_bytes` into one receive buffer per version,
+never pickled: a large tensor straight from its memory, small ones packed
+together into one broadcast (`_transfers`).
 
 On each generator a receiver thread waits for headers (a probe with a short
 sleep, so an idle generator does not spin a core; 50 us while the generator is
@@ -90,6 +91,32 @@ def _chunks(nbytes: int, chunk: int):
         yield start, min(nbytes, start + chunk)
 
 
+def _transfers(sizes: list[int], chunk: int) -> list[list[tuple[int, int, int]]]:
+    """The broadcasts of one sync, in order: each one contiguous range of the tensors laid end to end, at most
+    `chunk` bytes, as its pieces [(tensor index, lo, hi)]. Tensors smaller than a chunk share a broadcast (the
+    sender packs them into a staging buffer): each broadcast costs a round of latency at every tree stage, and
+    one per tensor made a sync of a few MB over TCP take 25-150 ms. A tensor of a chunk or more is sent from its
+    own memory, in chunks. Sender and receivers derive the same list from the header."""
+    out: list[list[tuple[int, int, int]]] = []
+    group: list[tuple[int, int, int]] = []
+    filled = 0
+    for i, size in enumerate(sizes):
+        if size >= chunk:
+            if group:
+                out.append(group)
+                group, filled = [], 0
+            out.extend([(i, lo, hi)] for lo, hi in _chunks(size, chunk))
+            continue
+        if group and filled + size > chunk:
+            out.append(group)
+            group, filled = [], 0
+        group.append((i, 0, size))
+        filled += size
+    if group:
+        out.append(group)
+    return out
+
+
 class WeightSync:
     """Collective constructor over the whole world (it duplicates the intercommunicator)."""
 
@@ -115,6 +142,7 @@ class WeightSync:
         self._thread = None
         self._buffers: list[np.ndarray] = []  # receive buffers, reused once no tensors view them
         self.buffers_reused = 0
+        self._staging = np.empty(0, np.uint8)  # the sender packs small tensors here (one broadcast for many)
         if world.is_generator:
             self._thread = threading.Thread(target=self._receive_loop, name="weight-sync", daemon=True)
             self._thread.start()
@@ -143,10 +171,19 @@ class WeightSync:
         )
         blob = header.to_json()
         reqs = [self.comm.Isend([blob, MPI.BYTE], dest=g, tag=_TAG_HEADER) for g in range(self.comm.Get_remote_size())]
-        bcasts = [(a, lo, hi) for a in arrays for lo, hi in _chunks(a.nbytes, self.chunk_bytes)]
-        self.world.group_comm.bcast(len(bcasts), root=0)
-        for a, lo, hi in bcasts:
-            self.comm.Bcast([a.reshape(-1).view(np.uint8)[lo:hi], MPI.BYTE], root=MPI.ROOT)
+        flat = [a.reshape(-1).view(np.uint8) for a in arrays]
+        transfers = _transfers([a.nbytes for a in arrays], self.chunk_bytes)
+        self.world.group_comm.bcast(len(transfers), root=0)
+        for pieces in transfers:
+            if len(pieces) == 1:
+                i, lo, hi = pieces[0]
+                self.comm.Bcast([flat[i][lo:hi], MPI.BYTE], root=MPI.ROOT)
+                continue
+            total = sum(hi - lo for _, lo, hi in pieces)
+            if self._staging.nbytes < total:  # kept across syncs: fresh memory costs a page fault per 4 KiB
+                self._staging = np.empty(total, np.uint8)
+            np.concatenate([flat[i][lo:hi] for i, lo, hi in pieces], out=self._staging[:total])
+            self.comm.Bcast([self._staging[:total], MPI.BYTE], root=MPI.ROOT)
         MPI.Request.Waitall(reqs)
         seconds = time.perf_counter() - t0
         nbytes = sum(a.nbytes for a in arrays)
@@ -155,7 +192,7 @@ class WeightSync:
             "bytes": nbytes,
             "seconds": seconds,
             "gb_per_s": nbytes / max(seconds, 1e-9) / 1e9,
-            "chunks": len(bcasts),
+            "chunks": len(transfers),
             "role": "trainer",
         }
         self.history.append(stats)
@@ -195,12 +232,14 @@ class WeightSync:
                 t0 = time.perf_counter()
                 sizes = header.sizes
                 flat = self._buffer(sum(sizes))
+                pos = 0
+                for pieces in _transfers(sizes, header.chunk_bytes):  # contiguous in `flat`, in order
+                    total = sum(hi - lo for _, lo, hi in pieces)
+                    self.comm.Bcast([flat[pos : pos + total], MPI.BYTE], root=0)
+                    pos += total
                 tensors, pos = {}, 0
                 for name, dtype, shape, size in zip(header.names, header.dtypes, header.shapes, sizes):
-                    part = flat[pos : pos + size]
-                    for lo, hi in _chunks(size, header.chunk_bytes):
-                        self.comm.Bcast([part[lo:hi], MPI.BYTE], root=0)
-                    tensors[name] = part.view(np.dtype(dtype)).reshape(shape)
+                    tensors[name] = flat[pos : pos + size].view(np.dtype(dtype)).reshape(shape)
                     pos += size
                 seconds = time.perf_counter() - t0
                 with self._cond:

@@ -41,6 +41,10 @@ def _load_program(name: str):
         from rollout_hpc.runtime import hello  # in here: a program's imports load only when it runs
 
         return hello.main
+    if name == "profile":
+        from rollout_hpc.runtime import profile_program
+
+        return profile_program.main
     try:
         from rollout_hpc.runtime import train_program  # in here: torch, transformers; "hello" must not need them
     except ModuleNotFoundError as exc:

@@ -27,7 +27,7 @@ from rollout_hpc.runtime.evaluation import EvalReceiver, eval_points
 from rollout_hpc.runtime.metrics import MetricsSink, batch_metrics
 from rollout_hpc.runtime.step_plan import StepPlan, informative_groups
 from rollout_hpc.runtime.trackers import attach_trackers
-from rollout_hpc.runtime.world import abort_world
+from rollout_hpc.runtime.world import abort_world, sleeping_barrier
 from rollout_hpc.trajectory import TrajectoryBatch
 
 
@@ -70,6 +70,7 @@ class StepReceiver:
                     new = []
             else:
                 mine = self.exchange.get_available(need, timeout=self.poll_s)
+                sleeping_barrier(self.world.group_comm)  # a rank done early sleeps instead of spinning
                 got = self.world.group_comm.allgather((why and (why.kind, str(why)), bytes(mine.pack())))
                 new = [TrajectoryBatch.unpack(b) for _, b in got]
                 reasons = sorted(r for r, _ in got if r)  # "hang" before "stop": every rank raises the same
@@ -180,6 +181,23 @@ class SFTPhase:
             self.sink.write_metrics(step, self.cfg.total_steps, stats, label="sft step")
 
 
+def learn(cfg, world, trainer, reference, critic, loss_fn, batch: TrajectoryBatch) -> tuple[dict, dict]:
+    """One step's update from its complete batch (sorted by uid): advantages over the whole batch, then this rank's
+    share of the trainable groups. Collective over the trainer group. Returns (advantage stats, update stats)."""
+    a = cfg.algorithm
+    tensors = records.collate(batch)
+    ref_lp = reference.logprobs(tensors["input_ids"], tensors["attention_mask"], tensors["mask"]) if reference else None
+    values = critic.values(tensors["input_ids"], tensors["attention_mask"]) if critic else None
+    adv_stats = objective.add_advantages(cfg, tensors, ref_lp, values)
+    groups = records.trainable_groups(tensors["mask"], a.group_size)
+    if not len(groups):  # every group of every round had equal rewards: the policy stays as it is
+        return adv_stats, {}
+    rows = records.shard_groups(groups, a.group_size, world.group_rank, world.group_size)
+    # Fewer groups than trainer ranks: a rank without any still joins the step's collectives.
+    mine = records.select_rows(tensors, rows) if len(rows) else records.empty_like(tensors)
+    return adv_stats, objective.train_updates(cfg, trainer, critic, mine, loss_fn)
+
+
 def run_trainer(
     world,
     cfg,
@@ -245,21 +263,9 @@ def run_trainer(
             records.check_complete(batch, step, plan.prompts, a.group_size)
             records.check_staleness(batch, step, cfg.exchange.max_staleness)
 
-            tensors = records.collate(batch)
-            ref_lp = (
-                reference.logprobs(tensors["input_ids"], tensors["attention_mask"], tensors["mask"])
-                if reference
-                else None
-            )
-            values = critic.values(tensors["input_ids"], tensors["attention_mask"]) if critic else None
-            adv_stats = objective.add_advantages(cfg, tensors, ref_lp, values)
-            groups = records.trainable_groups(tensors["mask"], a.group_size)
             stats = {"generation_rounds": float(plan.rounds)} if plan.max_rounds > 1 else {}
-            if len(groups):  # none: every group of every round had equal rewards; the policy stays as it is
-                rows = records.shard_groups(groups, a.group_size, world.group_rank, world.group_size)
-                # Fewer groups than trainer ranks: a rank without any still joins the step's collectives.
-                mine = records.select_rows(tensors, rows) if len(rows) else records.empty_like(tensors)
-                stats.update(objective.train_updates(cfg, trainer, critic, mine, loss_fn))
+            adv_stats, update_stats = learn(cfg, world, trainer, reference, critic, loss_fn, batch)
+            stats.update(update_stats)
             t_trained = time.perf_counter()
 
             sync = weights.publish(step + 1, trainer.full_weights())

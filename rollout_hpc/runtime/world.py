@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -196,3 +197,12 @@ def abort_world(message: str, code: int = 2) -> None:
     print(f"rollout-hpc: rank {rank}: error: {message}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     _mpi().COMM_WORLD.Abort(code)
+
+
+def sleeping_barrier(comm, interval: float = 0.0002) -> None:
+    """A barrier whose wait sleeps. A blocking MPI wait (Barrier, a collective entered early) spins its core
+    until the last rank arrives; where ranks share cores (colocated, a shared host, a node with more ranks than
+    cores) that spin takes CPU from the ranks everyone waits for. Enter a collective after this one instead."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(interval)
