@@ -31,17 +31,18 @@ import numpy as np
 import torch
 
 from rollout_hpc.backends.generate_hf import SamplingParams, derive_seed
-from rollout_hpc.backends.trainer import make_trainer
 from rollout_hpc.envs import load_task
-from rollout_hpc.envs.base import dataset_item
+from rollout_hpc.envs.base import dataset_item, is_multi_turn
+from rollout_hpc.errors import UserError
 from rollout_hpc.exchange.forward import Exchange
 from rollout_hpc.exchange.ring import Ring, ring_path
 from rollout_hpc.exchange.weights import SyncClosed, WeightSync
-from rollout_hpc.runtime import checkpointing, objective, records
+from rollout_hpc.runtime import checkpointing, records
+from rollout_hpc.runtime.critic import PolicyAndCritic
 from rollout_hpc.runtime.generator_loop import generate_unscored, make_generator, reward_pool
 from rollout_hpc.runtime.metrics import MetricsSink, batch_metrics
 from rollout_hpc.runtime.train_program import build_policy, cpu_threads, seed_everything
-from rollout_hpc.runtime.trainer_loop import learn
+from rollout_hpc.runtime.trainer_loop import build_learner, learn
 from rollout_hpc.runtime.world import sleeping_barrier
 from rollout_hpc.scale.profile import PROFILE_FILE, Costs, Machine, Profile, Workload, bcast_stages, fit_linear
 from rollout_hpc.store.checkpoint import library_versions
@@ -135,6 +136,11 @@ def _max():
 
 def _generation(world, cfg, model, tokenizer, run_dir: Path, threads: int) -> dict:
     task = load_task(cfg.task, data_dir=run_dir / "data" if (run_dir / "data").is_dir() else None)
+    if is_multi_turn(task):
+        raise UserError(
+            f"rollout-hpc profile measures single-turn generation; task {cfg.task.name!r} is multi-turn (episodes): "
+            "profile a single-turn task with the same model and backends (e.g. --set task.name=arithmetic)"
+        )
     dataset = task.prompts(cfg.run.seed)
     gen = make_generator(cfg, model, tokenizer, task)
     a = cfg.algorithm
@@ -207,8 +213,7 @@ def _all_cores_speedup(threads: int, work, pairs: int = 5) -> float:
 def _training(world, cfg, model, batch: TrajectoryBatch, run_dir: Path, threads: int) -> dict:
     """Every trainer rank trains the same number of groups, like a step's share; rank 0 also logs and checkpoints."""
     a = cfg.algorithm
-    trainer = make_trainer(cfg, model, world)
-    loss_fn = objective.make_loss_fn(cfg)
+    trainer, reference, critic, loss_fn = build_learner(cfg, model, world)
     rng = np.random.default_rng(cfg.run.seed)
     batch = batch.select(np.arange(len(batch)))  # a writable copy (unpacked batches view the message)
     batch.fixed["reward"] = rng.random(len(batch))  # distinct rewards: every group is trainable
@@ -224,12 +229,14 @@ def _training(world, cfg, model, batch: TrajectoryBatch, run_dir: Path, threads:
         # learn() shards the groups over the trainer ranks: give it every rank's copy, so each trains n_groups.
         whole = TrajectoryBatch.concat([_renumbered(part, r * n_groups, a.group_size) for r in range(world.group_size)])
         tokens = float(part.fixed["prompt_len"].sum() + part.fixed["response_len"].sum())
-        points.append((tokens, timed(partial(learn, cfg, world, trainer, None, None, loss_fn, whole))))
+        points.append((tokens, timed(partial(learn, cfg, world, trainer, reference, critic, loss_fn, whole))))
     fixed, per_token = fit_linear([[tok] for tok, _ in points], [t for _, t in points])
     full = points[-1]
-    speedup = _all_cores_speedup(threads, partial(learn, cfg, world, trainer, None, None, loss_fn, whole))
+    speedup = _all_cores_speedup(threads, partial(learn, cfg, world, trainer, reference, critic, loss_fn, whole))
     log_s = _log_cost(world, cfg, run_dir, batch) if world.group_rank == 0 else 0.0
-    ckpt = _checkpoint_cost(world, cfg, run_dir, trainer)
+    ckpt = _checkpoint_cost(world, cfg, run_dir, PolicyAndCritic(trainer, critic) if critic else trainer)
+    if critic:
+        critic.close()
     trainer.close()
     return {
         "fit": [fixed, per_token],

@@ -181,6 +181,17 @@ class SFTPhase:
             self.sink.write_metrics(step, self.cfg.total_steps, stats, label="sft step")
 
 
+def build_learner(cfg, model: torch.nn.Module, world):
+    """What learn() needs: (backend trainer, frozen reference policy or None, critic or None, loss function).
+    Collective over the trainer group (the backend's set-up)."""
+    spec = algos.get_algorithm(cfg.algorithm.name)
+    initial = copy.deepcopy(model) if cfg.algorithm.kl_coef > 0 else None  # before a backend shards or moves it
+    critic = Critic(cfg, model, world) if spec.needs_critic else None  # from the initial policy, like `initial`
+    trainer = make_trainer(cfg, model, world)
+    reference = Reference(initial, trainer.device, cfg) if initial is not None else None
+    return trainer, reference, critic, objective.make_loss_fn(cfg)
+
+
 def learn(cfg, world, trainer, reference, critic, loss_fn, batch: TrajectoryBatch) -> tuple[dict, dict]:
     """One step's update from its complete batch (sorted by uid): advantages over the whole batch, then this rank's
     share of the trainable groups. Collective over the trainer group. Returns (advantage stats, update stats)."""
@@ -210,12 +221,7 @@ def run_trainer(
     tokenizer=None,
 ) -> int:
     a = cfg.algorithm
-    spec = algos.get_algorithm(a.name)
-    initial = copy.deepcopy(model) if a.kl_coef > 0 else None  # before a backend shards or moves the model
-    critic = Critic(cfg, model, world) if spec.needs_critic else None  # from the initial policy, like `initial`
-    trainer = make_trainer(cfg, model, world)
-    reference = Reference(initial, trainer.device, cfg) if initial is not None else None
-    loss_fn = objective.make_loss_fn(cfg)
+    trainer, reference, critic, loss_fn = build_learner(cfg, model, world)
     ckpt = checkpointing.Checkpointer(world, cfg, run_dir)
     checkpointed = PolicyAndCritic(trainer, critic) if critic else trainer
     start = ckpt.resume(checkpointed)  # 0 for a fresh run
