@@ -61,6 +61,38 @@ def assert_within(results: dict[str, dict]) -> None:
     assert all(abs(r["relative_error"]) <= TOLERANCE for r in results.values()), table
 
 
+def test_profile_plan_and_check_end_to_end(tmp_path):
+    """The commands as a user chains them, on the local launcher: profile, plan from it, a run, --check of it."""
+    config = write_config(tmp_path, "local")
+    profile = tmp_path / "p.json"
+    done = rollout(
+        "profile", config, "--out", profile, "--calibration-steps", 6, "--run-dir", tmp_path / "prof", cwd=tmp_path
+    )
+    for phase in ("generation:", "training:", "rewards", "checkpoint write", "overhead (calibration run)"):
+        assert phase in done.stdout, done.stdout
+    p = Profile.load(profile)
+    c, w = p.costs, p.workload
+    assert c.gen_token_s + c.gen_token_row_s > 0 and c.train_token_s > 0 and c.startup_s > 0
+    assert c.mpi_gb_per_s > 0 and c.bcast_gb_per_s > 0 and c.ring_gb_per_s > 0 and c.fs_write_gb_per_s > 0
+    assert w.weight_bytes > 0 and w.checkpoint_bytes > w.weight_bytes  # weights plus optimizer state
+    assert 1 <= min(w.response_lengths) and max(w.response_lengths) <= 4  # max_new_tokens 4
+    assert p.config_digest and p.versions["h5py"] and p.machine.cores_per_node >= 1
+    assert {"generation_points", "train_points", "bcast_points", "calibration"} <= set(p.measurements)
+    planned = json.loads(rollout("plan", config, "--nodes", 3, "--profile", profile, "--json", cwd=tmp_path).stdout)
+    layouts = {
+        (x["placement"], x["generator_nodes"], x["trainer_nodes"], x["max_staleness"]) for x in planned["layouts"]
+    }
+    assert ("colocated", 3, 3, 0) in layouts and ("disaggregated", 2, 1, 1) in layouts
+    assert planned["recommended"]["samples_per_s"] == max(x["samples_per_s"] for x in planned["layouts"][:1])
+    run_dir = tmp_path / "run"
+    rollout("submit", config, "--set", "algorithm.steps=6", "--run-dir", run_dir, cwd=tmp_path)
+    checked = check(run_dir, profile, tmp_path)
+    assert checked["steps_measured"] == 5 and checked["predicted_step_s"] > 0 and checked["measured_step_s"] > 0
+    assert checked["relative_error"] == pytest.approx(
+        (checked["predicted_step_s"] - checked["measured_step_s"]) / checked["measured_step_s"]
+    )
+
+
 def predicted_runs(layouts: dict[str, list[str]], run, profile: Path, cwd: Path) -> dict[str, dict]:
     """`plan --check` of a run of each layout (run(name, index, attempt, overrides) -> run directory); a layout
     whose run misses the bound is run once more, and that run decides (see the module doc)."""

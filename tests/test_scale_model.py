@@ -178,7 +178,9 @@ def test_plan_recommends_the_fastest_and_says_how_to_apply_it(tmp_path):
     p = make_profile(lengths=(10,), gen_token_s=0.0, gen_token_row_s=0.003, train_token_s=0.001 / 20)
     cfg = cfg_for(tmp_path)
     predictions = plan(p, cfg, 8, max_staleness=1)
-    assert predictions == sorted(predictions, key=lambda x: -x.effective_samples_per_s)
+    assert all(
+        a.effective_samples_per_s >= b.effective_samples_per_s - 1e-6 for a, b in zip(predictions, predictions[1:])
+    )
     best = recommended(predictions)
     split = next(x.layout for x in predictions if x.layout.placement == "disaggregated")
     assert split.generator_nodes > split.trainer_nodes

@@ -13,6 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
+from rich.console import Console
 from rich.table import Table
 
 from rollout_hpc.commands import add_config_arguments, out
@@ -105,7 +106,8 @@ def _table(predictions, nodes: int, profile: Profile) -> None:
             f"{p.checkpoint_s:.3g}",
             f"{p.ring_bytes_needed / 2**20:.1f}",
         )
-    out.print(t)
+    # Piped or captured (width 80 by default), the 12 columns would be cut to a few letters each.
+    Console(soft_wrap=True, width=None if out.is_terminal else 160).print(t)
 
 
 def _check(args) -> int:

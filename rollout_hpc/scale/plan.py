@@ -77,7 +77,10 @@ def plan(profile: Profile, cfg, nodes: int, max_staleness: int = 2, steps: int |
     """Every candidate layout on `nodes` nodes, simulated; best effective samples/s first."""
     shape = run_shape(cfg, steps, **assumptions)
     predictions = [simulate(profile, lay, shape) for lay in candidate_layouts(cfg, nodes, max_staleness)]
-    return sorted(predictions, key=lambda p: -p.effective_samples_per_s)
+    # Ties (a staleness the pipeline does not use) go to the fresher policy, then to fewer nodes.
+    return sorted(
+        predictions, key=lambda p: (-round(p.effective_samples_per_s, 6), p.layout.max_staleness, p.layout.nodes)
+    )
 
 
 def predict_run(profile: Profile, cfg, steps: int | None = None) -> Prediction:
