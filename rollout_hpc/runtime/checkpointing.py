@@ -23,6 +23,7 @@ import numpy as np
 
 from rollout_hpc.config import ConfigError
 from rollout_hpc.rundir_layout import EXIT_CONTINUE
+from rollout_hpc.runtime.world import sleeping_barrier
 from rollout_hpc.store import checkpoint as store
 
 # Stopped on a signal after checkpointing: "continue in a new allocation" (the batch script requeues).
@@ -61,6 +62,8 @@ class Checkpointer:
         timed = c.every_minutes > 0 and time.monotonic() - self._last_save >= 60 * c.every_minutes
         final = steps_done == self.cfg.total_steps
         flags = np.array([_stop.is_set(), periodic or timed or final], np.int8)
+        if self.world.group_size > 1:  # rank 0 logs the step meanwhile: the others wait asleep, not spinning
+            sleeping_barrier(self.world.group_comm)
         flags = self.world.group_comm.allreduce(flags)  # any rank signalled -> all stop together
         self.stop_requested = bool(flags[0])
         return bool(flags[0] or flags[1])
