@@ -27,7 +27,8 @@ import numpy as np
 
 MAGIC = b"RHTB"
 # 2: the header is padded to 64 bytes so every section starts 8-byte aligned. `domain` took a byte of `_pad` without a
-# new version: the record size is the same and a record from an older writer reads as domain 0, which is right for it.
+# new version: the record size is the same and a record from an older writer reads as domain 0, which is right for it;
+# so did episode_status, format_errors and success (an older record reads as single-turn).
 LAYOUT_VERSION = 2
 
 FIXED_DTYPE = np.dtype(
@@ -43,7 +44,10 @@ FIXED_DTYPE = np.dtype(
         ("truncated", "u1"),  # response hit max_new_tokens
         ("reward_status", "u1"),  # REWARD_OK, or why the reward is a stand-in 0 (REWARD_ERROR, REWARD_TIMEOUT)
         ("domain", "u1"),  # source of a mixed dataset (index into the log's `domains` attribute); 0 otherwise
-        ("_pad", "u1", (5,)),
+        ("episode_status", "u1"),  # 0 single-turn; multi-turn: EPISODE_OK, or how the environment failed
+        ("format_errors", "u1"),  # multi-turn: turns whose reply the environment could not parse (at most 255)
+        ("success", "u1"),  # multi-turn: the environment said the episode was solved (info success / solved)
+        ("_pad", "u1", (2,)),
         ("t_start", "<f8"),  # wall clock (time.time()) when generation began
         ("t_end", "<f8"),  # when the reward was computed
     ]
@@ -61,6 +65,9 @@ RAGGED = (
 
 # reward_status values: the reward function returned a number / raised / ran past task.reward_timeout.
 REWARD_OK, REWARD_ERROR, REWARD_TIMEOUT = 0, 1, 2
+# episode_status values: not an episode (single-turn) / an episode the environment played to its end / one whose
+# environment raised or gave something that is not (text, number, bool, dict) / one whose environment hung.
+SINGLE_TURN, EPISODE_OK, EPISODE_ERROR, EPISODE_TIMEOUT = 0, 1, 2, 3
 
 _LENGTH_FIELDS = {length_field for _, _, length_field in RAGGED}
 _HEADER = struct.Struct("<4sII6Q4x")

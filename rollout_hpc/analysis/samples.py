@@ -122,6 +122,15 @@ def render_sample(s: dict, decode: Decode | None, answer: Answer | None = None) 
     turn by turn (policy vs environment text)."""
     flags = " [hit max_new_tokens]" if s["truncated"] else ""
     status = int(s.get("reward_status", 0))
+    episode = int(s.get("episode_status", 0))
+    if episode:  # a multi-turn episode: how it ended (envs failing are not the reward's fault)
+        status = 0
+        flags += {
+            2: " [environment failed: scored 0, not trained on]",
+            3: " [environment hung: scored 0, not trained on]",
+        }.get(episode, "")
+        flags += f"  {s['n_turns']} turns" + (" solved" if s.get("success") else "")
+        flags += f", {s['format_errors']} unparsable" if s.get("format_errors") else ""
     flags += {1: " [reward raised: scored 0]", 2: " [reward timed out: scored 0]"}.get(status, "")
     source = f"  source {s['source']}" if s.get("source") else ""
     lines = [

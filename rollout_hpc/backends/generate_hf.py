@@ -23,15 +23,13 @@ import torch
 
 from rollout_hpc.models.logprobs import left_pad, position_ids_from_mask
 
+from .episodes import Episode, GenerateFn, rollout_episodes
 from .generator import (
-    Episode,
-    GenerateFn,
     Generation,
     Generator,
     SamplingParams,
     cut_at_stop_strings,
     derive_seed,
-    rollout_episodes,
     stop_string_end,
     trajectory_batch,
 )

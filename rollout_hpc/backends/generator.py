@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rollout_hpc.envs.base import dataset_item, is_multi_turn
-from rollout_hpc.errors import TaskError
 from rollout_hpc.models.prompting import encode_prompt_item
-from rollout_hpc.trajectory import TrajectoryBatch
+from rollout_hpc.trajectory import EPISODE_OK, EPISODE_TIMEOUT, REWARD_ERROR, REWARD_OK, REWARD_TIMEOUT, TrajectoryBatch
+
+from .episodes import Episode, EpisodeSettings, rollout_episodes
 
 
 @dataclass(frozen=True)
@@ -120,72 +121,29 @@ def trajectory_batch(
     return TrajectoryBatch.from_columns(len(response_ids), fixed, ragged)
 
 
-# --- multi-turn episodes ---------------------------------------------------------
-
-# generate_fn(prompts, live): `live` are the episode indices the prompts belong to
-GenerateFn = Callable[[list[list[int]], list[int]], Generation]
-
-
-@dataclass
-class Episode:
-    prompt_ids: list[int]
-    response_ids: list[int]  # model turns and the observations between them
-    logprobs: list[float]  # 0 on observation tokens
-    loss_mask: list[int]  # 1 on model tokens, 0 on observation tokens
-    turn_starts: list[int]  # response offset where each model turn begins
-    reward: float  # sum of the step rewards
-    truncated: bool  # ended by max_turns or the context limit, not by the environment
-
-
-def rollout_episodes(
-    envs: Sequence[Any],
-    items: Sequence[Any],
-    generate_fn: GenerateFn,
-    tokenizer,
-    max_new_tokens: int,
-    max_context: int | None = None,
-) -> list[Episode]:
-    """Play one episode per (env, item) in lockstep: each turn generates for every live episode
-    in one batch, then steps the environments. An episode ends when its environment says done,
-    after env.max_turns turns, or when the next turn would not fit in max_context tokens."""
-    first = [tokenizer.encode_prompt(env.reset(item)) for env, item in zip(envs, items)]
-    for p in first:
-        if max_context is not None and len(p) + max_new_tokens > max_context:
-            raise TaskError(
-                f"a first observation of {len(p)} tokens plus max_new_tokens={max_new_tokens} exceeds the model's "
-                f"context of {max_context} tokens; raise model.max_seq_len or shorten the task's observations"
-            )
-    eps = [Episode(list(p), [], [], [], [], 0.0, False) for p in first]
-    contexts = [list(p) for p in first]
-    live = list(range(len(envs)))
-    turn = 0
-    while live:
-        gen = generate_fn([contexts[i] for i in live], live)
-        turn += 1
-        still = []
-        for k, i in enumerate(live):
-            ep, ids = eps[i], gen.response_ids[k]
-            ep.turn_starts.append(len(ep.response_ids))
-            ep.response_ids += ids
-            ep.logprobs += gen.logprobs[k]
-            ep.loss_mask += [1] * len(ids)
-            contexts[i] += ids
-            obs, reward, done, info = envs[i].step(tokenizer.decode(ids))
-            ep.reward += float(reward)
-            if done or turn >= envs[i].max_turns:
-                ep.truncated = not done or bool(isinstance(info, dict) and info.get("truncated", False))
-                continue
-            obs_ids = tokenizer.encode(obs)
-            if max_context is not None and len(contexts[i]) + len(obs_ids) + max_new_tokens > max_context:
-                ep.truncated = True  # the next turn would not fit: end here, without the observation
-                continue
-            ep.response_ids += obs_ids
-            ep.logprobs += [0.0] * len(obs_ids)
-            ep.loss_mask += [0] * len(obs_ids)
-            contexts[i] += obs_ids
-            still.append(i)
-        live = still
-    return eps
+def episode_batch(eps: Sequence[Episode], common: dict[str, Any]) -> TrajectoryBatch:
+    """The records of played episodes (rows in the order of `eps`); `common`: trajectory_batch's shared keywords."""
+    status = [e.status for e in eps]
+    batch = trajectory_batch(
+        [e.prompt_ids for e in eps],
+        [e.response_ids for e in eps],
+        [e.logprobs for e in eps],
+        [e.reward for e in eps],
+        truncated=[e.truncated for e in eps],
+        t_end=time.time(),
+        loss_masks=[e.loss_mask for e in eps],
+        turn_starts=[e.turn_starts for e in eps],
+        **common,
+    )
+    f = batch.fixed
+    f["episode_status"] = status
+    # a failed environment's reward is a stand-in 0, counted like a reward that raised or timed out
+    f["reward_status"] = [
+        REWARD_OK if s == EPISODE_OK else REWARD_TIMEOUT if s == EPISODE_TIMEOUT else REWARD_ERROR for s in status
+    ]
+    f["format_errors"] = [min(e.format_errors, 255) for e in eps]
+    f["success"] = [e.success for e in eps]
+    return batch
 
 
 # --- the generator a rank runs ------------------------------------------------
@@ -204,6 +162,8 @@ class Generator:
     sampling: SamplingParams
     seed: int
     max_context: int | None
+    episodes: EpisodeSettings | None = None  # task.env of a multi-turn task (set by the generator loop)
+    max_tokens_per_turn: int | None = None  # task.env.max_tokens_per_turn (default: sampling.max_new_tokens)
 
     def generate(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams | None = None) -> Generation:
         """One response per prompt; sample i seeded by seeds[i]; params default to self.sampling."""
@@ -215,6 +175,31 @@ class Generator:
 
     def load_weights(self, weights: dict[str, Any]) -> None:
         raise NotImplementedError
+
+    def play_episodes(self, items: Sequence[Any], seeds: Sequence[int]) -> list[Episode]:
+        """One episode of the task's environment per item, batched across environments (backends/episodes.py).
+        Turn k of episode i samples with derive_seed(seeds[i], k): the same whatever else is in the batch."""
+        settings = self.episodes or EpisodeSettings()
+        params = self.sampling
+        if self.max_tokens_per_turn:
+            params = replace(params, max_new_tokens=self.max_tokens_per_turn)
+        turns = [0] * len(items)
+
+        def generate_turn(prompts, live):
+            turn_seeds = [derive_seed(seeds[i], turns[i]) for i in live]
+            for i in live:
+                turns[i] += 1
+            return self.generate(prompts, turn_seeds, params)
+
+        return rollout_episodes(
+            lambda i: self.task.make_env(),
+            items,
+            generate_turn,
+            self.tokenizer,
+            params.max_new_tokens,
+            self.max_context,
+            settings,
+        )
 
     def rollout(
         self, dataset, prompt_indices: Sequence[int], group_size: int, gen_rank: int, policy_version: int
@@ -234,32 +219,7 @@ class Generator:
             t_start=t_start,
         )
         if is_multi_turn(self.task):
-            envs = [self.task.make_env() for _ in rows]
-            turn = iter(range(1 << 30))
-
-            def generate_turn(prompts, live):
-                k = next(turn)
-                return self.generate(prompts, [derive_seed(row_seeds[i], k) for i in live])
-
-            eps = rollout_episodes(
-                envs,
-                [item for _, item, _ in rows],
-                generate_turn,
-                self.tokenizer,
-                self.sampling.max_new_tokens,
-                self.max_context,
-            )
-            return trajectory_batch(
-                [e.prompt_ids for e in eps],
-                [e.response_ids for e in eps],
-                [e.logprobs for e in eps],
-                [e.reward for e in eps],
-                truncated=[e.truncated for e in eps],
-                t_end=time.time(),
-                loss_masks=[e.loss_mask for e in eps],
-                turn_starts=[e.turn_starts for e in eps],
-                **common,
-            )
+            return episode_batch(self.play_episodes([item for _, item, _ in rows], row_seeds), common)
         prompt_tokens = [self.encode_prompt(item) for _, item, _ in rows]
         gen = self.generate(prompt_tokens, row_seeds)
         rewards = [
