@@ -12,12 +12,15 @@ import torch
 
 from rollout_hpc.backends.episodes import EpisodeSettings
 from rollout_hpc.backends.generate_hf import HFGenerator, SamplingParams
+from rollout_hpc.backends.token_scores import lm_token_scores
 from rollout_hpc.config import ModelSection, TaskSection, load_config
 from rollout_hpc.envs import Prompt, SokobanEnv, load_task
 from rollout_hpc.envs.registry import check_task
 from rollout_hpc.envs.sokoban import SokobanLevels
 from rollout_hpc.errors import PluginError, TaskError
 from rollout_hpc.models import CharTokenizer, build_model
+from rollout_hpc.runtime.objective import add_advantages, make_loss_fn
+from rollout_hpc.runtime.records import collate
 from rollout_hpc.trajectory import EPISODE_ERROR, EPISODE_OK, EPISODE_TIMEOUT, REWARD_ERROR, REWARD_TIMEOUT
 
 torch.set_num_threads(1)
@@ -257,3 +260,42 @@ def test_gym_and_task_env_refusals(tmp_path):
     (tmp_path / "b.yaml").write_text("task: {name: sokoban, env: {parallel_envs: 0}}\n")
     with pytest.raises(Exception, match="task.env.parallel_envs"):
         load_config(tmp_path / "b.yaml", [])
+
+
+def test_observation_tokens_carry_no_gradient(model, tmp_path):
+    """The trainer's objective on real episodes (collate, the chunked scoring, GRPO advantages, the policy loss):
+    the loss's gradient w.r.t. every observation token's log-probability is exactly 0, and perturbing what the
+    record holds at observation tokens (sampling log-probs, advantages) leaves the parameters' gradient unchanged."""
+    (tmp_path / "c.yaml").write_text("task: {name: sokoban}\nalgorithm: {group_size: 4}\n")
+    cfg = load_config(tmp_path / "c.yaml", [])
+    task = load_task(cfg.task)
+    batch = generator(model, task).rollout(task.prompts(0), [0, 1], 4, 0, 0)
+    tensors = collate(batch, TOK.pad_id)
+    assert tensors["rewards"].std() > 0  # some advantage to follow
+    add_advantages(cfg, tensors, None)
+    p = (
+        torch.arange(tensors["mask"].shape[1])[None, :]
+        >= torch.from_numpy(batch.fixed["prompt_len"].astype("int64"))[:, None]
+    )
+    observation = (tensors["attention_mask"] == 1) & p & (tensors["mask"] == 0)
+    assert observation.sum() > 100  # sokoban boards between the replies
+
+    def gradients(b):
+        model.zero_grad()
+        # every position scored (positions None): the loss alone must leave the observations out
+        logp, ent = lm_token_scores(model, b["input_ids"], b["attention_mask"], 1.0, 64)
+        logp.retain_grad()
+        loss, _ = make_loss_fn(cfg)(logp, ent, b)
+        loss.backward()
+        return logp.grad, [q.grad.clone() for q in model.parameters()]
+
+    with torch.enable_grad():
+        logp_grad, base = gradients(tensors)
+        assert (logp_grad[observation] == 0).all() and (logp_grad[tensors["mask"] > 0] != 0).any()
+        noise = torch.randn_like(tensors["old_logprobs"]) * 3
+        perturbed = dict(tensors)
+        perturbed["old_logprobs"] = torch.where(observation, noise, tensors["old_logprobs"])
+        perturbed["advantages"] = torch.where(observation, noise, tensors["advantages"])
+        _, other = gradients(perturbed)
+    assert all(torch.equal(a, b) for a, b in zip(base, other))
+    model.zero_grad()
