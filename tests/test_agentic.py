@@ -299,3 +299,17 @@ def test_observation_tokens_carry_no_gradient(model, tmp_path):
         _, other = gradients(perturbed)
     assert all(torch.equal(a, b) for a, b in zip(base, other))
     model.zero_grad()
+
+
+def test_held_out_environment_seeds_for_eval(tmp_path):
+    """eval: on a multi-turn task plays held-out episodes: sokoban levels and gymnasium seeds of their own stream."""
+    sokoban = load_task(TaskSection(name="sokoban"))
+    held_out, train = sokoban.eval_prompts(0), sokoban.prompts(0)
+    assert len(held_out) == 64
+    # their own seed stream (a 5x5 room has only 504 layouts: a held-out level may equal some training level)
+    assert sum(p.text == train[i].text for i, p in enumerate(held_out)) < 4
+    lake = load_task(TaskSection(name="frozenlake"))
+    seeds = {lake.prompts(0)[i].meta["seed"] for i in range(1000)}
+    assert len(lake.eval_prompts(0)) == 256 and not seeds & {p.meta["seed"] for p in lake.eval_prompts(0)}
+    (tmp_path / "e.yaml").write_text("task: {name: frozenlake}\neval: {every_steps: 5}\n")
+    check_task(load_config(tmp_path / "e.yaml", []))  # accepted

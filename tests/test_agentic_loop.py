@@ -2,7 +2,8 @@
 a gymnasium environment from a plugin file, stepped in batches; a run stopped (SIGUSR1) while episodes are in
 progress and resumed ends with the weights of an uninterrupted run and every episode trained on and logged exactly
 once (the episodes cut off are replayed from their seeds); an environment that raises ends its episode with a
-counted error, never the run; the log, `analyze --json` and `samples` show the episodes turn by turn."""
+counted error, never the run; the log, `analyze --json` and `samples` show the episodes turn by turn; eval plays
+held-out environment seeds and records their success rate."""
 
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ task:
 model: {{max_seq_len: 200}}
 algorithm: {{steps: {STEPS}, prompts_per_step: {PROMPTS}, group_size: {GROUP}, max_new_tokens: 1}}
 checkpoint: {{every_steps: 3, keep_last: 3}}
+eval: {{every_steps: 4, max_prompts: 6}}
 """)
     return path
 
@@ -107,7 +109,11 @@ def test_episodes_through_the_loop_with_counted_environment_errors(reference):
     assert all(0 <= m["format_error_rate"] <= 1 and 1 <= m["turns_per_episode"] <= 4 for m in metrics)
     # analyze --json: per step success rate, turns per episode, format error rate
     done = cli("analyze", reference, "--json", cwd=reference.parent)
-    episodes = json.loads(done.stdout)["episodes"]
+    summary = json.loads(done.stdout)
+    episodes = summary["episodes"]
+    # eval: held-out environment seeds at steps 0, 4 and 8, with their success rate
+    assert summary["eval"]["step"] == [0, 4, 8] and len(summary["eval"]["success_rate"]) == 3
+    assert summary["eval"]["samples"] == [6.0] * 3
     assert episodes["step"] == list(range(STEPS)) and episodes["episodes"] == [PROMPTS * GROUP] * STEPS
     assert set(episodes) >= {"success_rate", "turns_per_episode", "format_error_rate", "env_errors"}
     # samples: an episode turn by turn (the board as the environment's text, the reply as the policy's)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollout_hpc.envs.guard import EnvFailure, GuardedEnv
 from rollout_hpc.errors import TaskError
-from rollout_hpc.trajectory import EPISODE_OK
+from rollout_hpc.trajectory import EPISODE_OK, EPISODE_TIMEOUT, REWARD_ERROR, REWARD_OK, REWARD_TIMEOUT
 
 if TYPE_CHECKING:  # generator.py imports this module
     from .generator import Generation
@@ -59,6 +59,14 @@ class Episode:
     format_errors: int = 0  # turns whose reply the environment could not parse
     success: bool = False  # the environment's last info said success (or solved)
     error: str = ""  # what the environment did wrong (status != EPISODE_OK)
+
+
+def reward_status(episode: Episode) -> int:
+    """The record's reward_status: a failed environment's reward is a stand-in 0, counted like a reward that raised
+    (or timed out)."""
+    if episode.status == EPISODE_OK:
+        return REWARD_OK
+    return REWARD_TIMEOUT if episode.status == EPISODE_TIMEOUT else REWARD_ERROR
 
 
 def _format_error(info: dict) -> bool:

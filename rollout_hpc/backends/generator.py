@@ -16,9 +16,9 @@ from typing import Any
 
 from rollout_hpc.envs.base import dataset_item, is_multi_turn
 from rollout_hpc.models.prompting import encode_prompt_item
-from rollout_hpc.trajectory import EPISODE_OK, EPISODE_TIMEOUT, REWARD_ERROR, REWARD_OK, REWARD_TIMEOUT, TrajectoryBatch
+from rollout_hpc.trajectory import TrajectoryBatch
 
-from .episodes import Episode, EpisodeSettings, rollout_episodes
+from .episodes import Episode, EpisodeSettings, reward_status, rollout_episodes
 
 
 @dataclass(frozen=True)
@@ -137,10 +137,7 @@ def episode_batch(eps: Sequence[Episode], common: dict[str, Any]) -> TrajectoryB
     )
     f = batch.fixed
     f["episode_status"] = status
-    # a failed environment's reward is a stand-in 0, counted like a reward that raised or timed out
-    f["reward_status"] = [
-        REWARD_OK if s == EPISODE_OK else REWARD_TIMEOUT if s == EPISODE_TIMEOUT else REWARD_ERROR for s in status
-    ]
+    f["reward_status"] = [reward_status(e) for e in eps]
     f["format_errors"] = [min(e.format_errors, 255) for e in eps]
     f["success"] = [e.success for e in eps]
     return batch
@@ -176,13 +173,17 @@ class Generator:
     def load_weights(self, weights: dict[str, Any]) -> None:
         raise NotImplementedError
 
-    def play_episodes(self, items: Sequence[Any], seeds: Sequence[int]) -> list[Episode]:
+    def play_episodes(
+        self, items: Sequence[Any], seeds: Sequence[int], params: SamplingParams | None = None
+    ) -> list[Episode]:
         """One episode of the task's environment per item, batched across environments (backends/episodes.py).
-        Turn k of episode i samples with derive_seed(seeds[i], k): the same whatever else is in the batch."""
+        Turn k of episode i samples with derive_seed(seeds[i], k): the same whatever else is in the batch.
+        params: per-turn sampling (default: self.sampling with task.env.max_tokens_per_turn)."""
         settings = self.episodes or EpisodeSettings()
-        params = self.sampling
-        if self.max_tokens_per_turn:
-            params = replace(params, max_new_tokens=self.max_tokens_per_turn)
+        if params is None:
+            params = self.sampling
+            if self.max_tokens_per_turn:
+                params = replace(params, max_new_tokens=self.max_tokens_per_turn)
         turns = [0] * len(items)
 
         def generate_turn(prompts, live):

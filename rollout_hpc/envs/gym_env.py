@@ -25,6 +25,7 @@ from rollout_hpc.plugins import load_plugin
 from .base import Prompt
 
 GYM_PREFIX = "gym:"
+EVAL_EPISODES = 256  # held-out environment seeds of a task (eval.max_prompts takes fewer)
 INSTALL = "pip install 'rollout-hpc[gym]' (gymnasium)"
 
 
@@ -110,6 +111,18 @@ class EpisodeSeeds:
         return Prompt(text=f"episode seed {s}", meta={"seed": s})
 
 
+class HeldOutSeeds(EpisodeSeeds):
+    """The first EVAL_EPISODES episodes of a held-out split (finite: an eval runs over all of them)."""
+
+    def __len__(self) -> int:
+        return EVAL_EPISODES
+
+    def __getitem__(self, i: int) -> Prompt:
+        if i >= EVAL_EPISODES:
+            raise IndexError(f"held-out episode {i} of {EVAL_EPISODES}")
+        return super().__getitem__(i)
+
+
 class GymTask:
     """A multi-turn task over gymnasium environments: `make(seed)` builds one (seed: the episode's, for
     environments whose layout depends on it), `adapter_for(env)` its text adapter."""
@@ -121,9 +134,9 @@ class GymTask:
     def prompts(self, seed: int) -> EpisodeSeeds:
         return EpisodeSeeds(seed)
 
-    def eval_prompts(self, seed: int) -> EpisodeSeeds:
+    def eval_prompts(self, seed: int) -> HeldOutSeeds:
         """Held-out environment seeds (a stream disjoint from training's)."""
-        return EpisodeSeeds(seed, "eval")
+        return HeldOutSeeds(seed, "eval")
 
     def make_env(self) -> GymEnv:
         return GymEnv(self.make, self.adapter_for, self.max_turns, self.invalid_penalty)

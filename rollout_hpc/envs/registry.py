@@ -167,8 +167,6 @@ def check_task(cfg) -> Any:
             f"task.env sets how multi-turn episodes are played; '{cfg.task.name}' is single-turn (remove task.env)"
         )
     if cfg.eval is not None:
-        if is_multi_turn(task):
-            raise TaskError(f"eval: validation runs single-turn tasks; '{cfg.task.name}' is multi-turn (remove eval:)")
         rows = eval_prompts(task, cfg.run.seed)
         if rows is None or len(rows) == 0:
             raise TaskError(

@@ -200,8 +200,8 @@ def reward_pool(cfg, task, run_dir: Path):
 
 def make_evaluator(world, cfg, gen, task, workers, eval_comm):
     rows = eval_prompts(task, cfg.run.seed)
-    if rows is None or workers is None:
-        return None  # refused at submit time (commands check it); a multi-turn task has no eval here
+    if rows is None or (workers is None and not is_multi_turn(task)):
+        return None  # refused at submit time (commands check it)
     logger = next(r.rank for r in world.ranks if r.role == "trainer" and r.group_rank == 0)
     return Evaluator(world, cfg, gen, rows, workers, eval_comm, logger)
 
