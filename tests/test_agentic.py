@@ -76,6 +76,7 @@ def test_batched_and_one_at_a_time_play_the_same_episodes(model):
     batched = runs[0]
     assert len(batched) == 12 and set(batched.fixed["episode_status"]) == {EPISODE_OK}
     assert batched.fixed["n_turns"].tolist() == [1] * 3 + [2] * 3 + [3] * 3 + [4] * 3  # they left the batch in turn
+    assert batched.turn_rewards.tolist() == [0.5] * int(batched.fixed["n_turns"].sum())  # each turn's reward, logged
     for other in runs[1:]:
         for a, b in zip(records(batched), records(other)):
             np.testing.assert_allclose(a.pop("logprobs"), b.pop("logprobs"), atol=1e-5)
@@ -89,6 +90,8 @@ def test_format_errors_are_counted_and_penalised(model):
     assert f["format_errors"].sum() > 0  # a random model rarely replies with an action
     solved = f["success"].astype(float)
     np.testing.assert_allclose(f["reward"], solved - 0.5 * f["format_errors"], atol=1e-6)
+    for i in range(len(batch)):  # the episode's reward is the sum of its turns' (format penalties included)
+        assert batch.record(i)["turn_rewards"].sum() == pytest.approx(f["reward"][i], abs=1e-5)
 
 
 def _raise(text):

@@ -53,7 +53,8 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)  # 0 on observation tokens
     loss_mask: list[int] = field(default_factory=list)  # 1 on model tokens, 0 on observation tokens
     turn_starts: list[int] = field(default_factory=list)  # response offset where each model turn begins
-    reward: float = 0.0  # sum of the step rewards, minus format_penalty per unparsable reply
+    turn_rewards: list[float] = field(default_factory=list)  # each turn's step reward (minus its format penalty)
+    reward: float = 0.0  # sum of the turn rewards
     truncated: bool = False  # ended by max_turns or the context limit, not by the environment
     status: int = EPISODE_OK  # trajectory.EPISODE_*: how the environment ended it
     format_errors: int = 0  # turns whose reply the environment could not parse
@@ -103,6 +104,7 @@ def rollout_episodes(
             ep = eps[i]
             ep.status, ep.error, ep.reward, ep.truncated = failure.status, str(failure), 0.0, True
             ep.loss_mask = [0] * len(ep.response_ids)
+            ep.turn_rewards = [0.0] * len(ep.turn_starts)  # stand-ins, as the reward
             if not ep.prompt_ids:  # the first observation never came: a placeholder prompt
                 ep.prompt_ids = tokenizer.encode_prompt("") or [tokenizer.eos_id]
             print(f"environment of episode {i}, turn {turns[i]}: {failure}; the episode ends", file=sys.stderr)
@@ -157,10 +159,11 @@ def rollout_episodes(
             except EnvFailure as failure:
                 end(i, failure)
                 continue
-            ep.reward += reward
             if _format_error(info):
                 ep.format_errors += 1
-                ep.reward -= settings.format_penalty
+                reward -= settings.format_penalty
+            ep.turn_rewards.append(reward)
+            ep.reward += reward
             if done or turns[i] >= limit[i]:
                 ep.truncated = not done or bool(info.get("truncated", False))
                 ep.success = _success(info)

@@ -99,6 +99,7 @@ def trajectory_batch(
     t_end: float,
     loss_masks: Sequence[Sequence[int]] | None = None,
     turn_starts: Sequence[Sequence[int]] | None = None,
+    turn_rewards: Sequence[Sequence[float]] | None = None,
 ) -> TrajectoryBatch:
     """Pack generation results into the record every generator produces (one row per trajectory)."""
     fixed = dict(
@@ -117,6 +118,7 @@ def trajectory_batch(
         logprobs=logprobs,
         loss_mask=loss_masks,
         turn_starts=turn_starts,
+        turn_rewards=turn_rewards,
     )
     return TrajectoryBatch.from_columns(len(response_ids), fixed, ragged)
 
@@ -133,6 +135,7 @@ def episode_batch(eps: Sequence[Episode], common: dict[str, Any]) -> TrajectoryB
         t_end=time.time(),
         loss_masks=[e.loss_mask for e in eps],
         turn_starts=[e.turn_starts for e in eps],
+        turn_rewards=[e.turn_rewards for e in eps],
         **common,
     )
     f = batch.fixed

@@ -90,7 +90,7 @@ class GymEnv:
         action = self.adapter.action(action_text, self.env)
         if action is None:  # nothing happens in the environment; the model is told and tries again
             note = getattr(self.adapter, "instructions", "") or "not an action\n"
-            return "invalid action. " + note + self.last, -self.invalid_penalty, False, {"format_error": True}
+            return "invalid action. " + note + self.last, 0.0 - self.invalid_penalty, False, {"format_error": True}
         obs, reward, terminated, truncated, info = self.env.step(action)
         self.last = self.adapter.observation(obs, info, self.env)
         success = bool(info.get("success", terminated and reward > 0))
