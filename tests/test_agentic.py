@@ -316,3 +316,46 @@ def test_held_out_environment_seeds_for_eval(tmp_path):
     assert len(lake.eval_prompts(0)) == 256 and not seeds & {p.meta["seed"] for p in lake.eval_prompts(0)}
     (tmp_path / "e.yaml").write_text("task: {name: frozenlake}\neval: {every_steps: 5}\n")
     check_task(load_config(tmp_path / "e.yaml", []))  # accepted
+
+
+class Recomputing(HFGenerator):
+    """The HF backend without its per-episode cache: every turn runs the whole context again."""
+
+    def generate(self, prompts, seeds, params=None, cache_keys=None):
+        return super().generate(prompts, seeds, params)
+
+
+def test_episode_turns_reuse_their_keys_and_values(model):
+    """An episode's next turn runs only its new tokens through the model (the reply's last token and the
+    observation), and samples what running the whole context again samples."""
+    task = load_task(TaskSection(name="sokoban", params={"max_turns": 5}))
+    cached = generator(model, task, max_new_tokens=3).rollout(task.prompts(0), [0, 1, 2], 2, 0, 0)
+    gen = generator(model, task, max_new_tokens=3)
+    whole = Recomputing(model, TOK, task, gen.sampling, seed=3)
+    whole.episodes = gen.episodes
+    again = whole.rollout(task.prompts(0), [0, 1, 2], 2, 0, 0)
+    assert cached.fixed["n_turns"].max() > 2
+    assert cached.response_ids.tolist() == again.response_ids.tolist()
+    np.testing.assert_allclose(cached.logprobs, again.logprobs, atol=1e-4)
+    # what the backend keeps: the prompt and the reply but its last token, then only the new tokens run
+    prompt = TOK.encode_prompt("#####\n#@$.#\n#####\n")
+    first = gen.generate([prompt], [1], cache_keys=["e"])
+    held = gen._prefixes["e"]
+    assert held.ids == prompt + first.response_ids[0][:-1]
+    assert held.kv(0)[0].shape[1] == len(held.ids)
+    longer = prompt + first.response_ids[0] + TOK.encode("#####\n")
+    assert held.covers(longer) == len(held.ids)
+    np.testing.assert_allclose(
+        gen.generate([longer], [2], cache_keys=["e"]).logprobs, whole.generate([longer], [2]).logprobs, atol=1e-4
+    )
+    # a next prompt that keeps only part of what is held (a reply cut at a stop string): that part is reused
+    gen.generate([prompt, prompt[:5]], [1, 4], cache_keys=["e", "f"])
+    cut = [prompt[:-3] + TOK.encode("L\n"), TOK.encode_prompt("new episode")]
+    assert gen._prefixes["e"].covers(cut[0]) == len(prompt) - 3 and gen._prefixes["f"].covers(cut[1]) < 5
+    np.testing.assert_allclose(
+        sum(gen.generate(cut, [5, 6], cache_keys=["e", "f"]).logprobs, []),
+        sum(whole.generate(cut, [5, 6]).logprobs, []),
+        atol=1e-4,
+    )
+    gen.forget_prefixes()
+    assert gen._prefixes == {}

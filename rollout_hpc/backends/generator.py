@@ -73,6 +73,7 @@ class Generation:
     response_ids: list[list[int]]  # includes the stop token when one was sampled
     logprobs: list[list[float]]  # sampling log-probability of each response token
     truncated: list[bool]  # reached max_new_tokens without a stop token
+    prefixes: list | None = None  # a backend's kept keys/values per row (generate_hf.CachedPrefix), when asked
 
 
 def derive_seed(*parts: int) -> int:
@@ -165,9 +166,17 @@ class Generator:
     episodes: EpisodeSettings | None = None  # task.env of a multi-turn task (set by the generator loop)
     max_tokens_per_turn: int | None = None  # task.env.max_tokens_per_turn (default: sampling.max_new_tokens)
 
-    def generate(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams | None = None) -> Generation:
-        """One response per prompt; sample i seeded by seeds[i]; params default to self.sampling."""
+    def generate(
+        self, prompts: list[list[int]], seeds: list[int], params: SamplingParams | None = None, cache_keys=None
+    ) -> Generation:
+        """One response per prompt; sample i seeded by seeds[i]; params default to self.sampling. cache_keys (one
+        hashable per row): the backend may keep what it computed for the row and, when the next call with the same
+        key has a prompt that starts with this one and its response, not compute that start again (an episode's
+        turns); rows of keys absent from a call are dropped. A backend without such a cache ignores them."""
         raise NotImplementedError
+
+    def forget_prefixes(self) -> None:
+        """Drop what generate kept for cache_keys (the episodes are over, or the weights change)."""
 
     def encode_prompt(self, item) -> list[int]:
         """The token ids the model sees for a prompt item (chat template applied where the task asks for it)."""
@@ -193,17 +202,21 @@ class Generator:
             turn_seeds = [derive_seed(seeds[i], turns[i]) for i in live]
             for i in live:
                 turns[i] += 1
-            return self.generate(prompts, turn_seeds, params)
+            # an episode's next prompt starts with its last one and the reply: the backend need not run that again
+            return self.generate(prompts, turn_seeds, params, cache_keys=live)
 
-        return rollout_episodes(
-            lambda i: self.task.make_env(),
-            items,
-            generate_turn,
-            self.tokenizer,
-            params.max_new_tokens,
-            self.max_context,
-            settings,
-        )
+        try:
+            return rollout_episodes(
+                lambda i: self.task.make_env(),
+                items,
+                generate_turn,
+                self.tokenizer,
+                params.max_new_tokens,
+                self.max_context,
+                settings,
+            )
+        finally:
+            self.forget_prefixes()
 
     def rollout(
         self, dataset, prompt_indices: Sequence[int], group_size: int, gen_rank: int, policy_version: int

@@ -1,11 +1,12 @@
 """Calling an environment so that one that raises, hangs or answers with something other than text ends its
 episode, never the run.
 
-Each episode's environment lives in its own daemon thread: the caller starts reset() or step() on every live
-episode, then collects each answer before a deadline (task.env.step_timeout after the start). A call that raised,
+Each episode's environment is called in a daemon thread of its own (threads are reused by later episodes): the
+caller starts reset() or step() on every live episode, then collects each answer before a deadline
+(task.env.step_timeout after the start). A call that raised,
 took too long, or returned the wrong kind of value becomes an `EnvFailure` with the episode status to record
 (trajectory.EPISODE_ERROR / EPISODE_TIMEOUT). A hung call cannot be stopped from Python: its thread is abandoned
-(daemon, so it never holds up the rank's exit) and the environment is never called again.
+(daemon, so it never holds up the rank's exit, and never reused) and the environment is never called again.
 """
 
 from __future__ import annotations
@@ -53,8 +54,37 @@ def checked_step(value: Any) -> tuple[str, float, bool, dict]:
     return obs, float(reward), bool(done), info
 
 
+class _Worker:
+    """A daemon thread that runs calls from its inbox; reused by the next episode unless a call of its hung."""
+
+    idle: list[_Worker] = []  # workers whose last episode ended (thread start-up is ~1 ms a episode otherwise)
+    lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="env", daemon=True).start()
+
+    @classmethod
+    def get(cls) -> _Worker:
+        with cls.lock:
+            return cls.idle.pop() if cls.idle else cls()
+
+    def release(self) -> None:
+        with self.lock:
+            self.idle.append(self)
+
+    def _serve(self) -> None:
+        while True:
+            fn, arg = self.inbox.get()
+            try:
+                self.outbox.put((True, fn(arg)))
+            except BaseException as exc:  # noqa: BLE001 - whatever it raised ends the episode, not the thread
+                self.outbox.put((False, exc))
+
+
 class GuardedEnv:
-    """One episode's environment, made by `factory` and called in its own thread.
+    """One episode's environment, made by `factory` and called in a thread of its own.
 
     guard.start("reset", item); obs = guard.result()   # raises EnvFailure
     guard.start("step", text);  obs, reward, done, info = guard.result()
@@ -64,37 +94,32 @@ class GuardedEnv:
     def __init__(self, factory: Callable[[], Any], timeout: float) -> None:
         self.factory, self.timeout = factory, timeout
         self.env: Any = None
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._method, self._deadline = "", 0.0
-        threading.Thread(target=self._serve, name="env", daemon=True).start()
+        self._worker: _Worker | None = _Worker.get()
+        self._method, self._deadline, self._pending = "", 0.0, False
 
-    def _serve(self) -> None:
-        while True:
-            job = self._inbox.get()
-            if job is None:
-                return
-            method, arg = job
-            try:
-                if self.env is None:
-                    self.env = self.factory()  # the task's make_env(): it may raise or hang too
-                self._outbox.put((True, getattr(self.env, method)(arg)))
-            except BaseException as exc:  # noqa: BLE001 - whatever it raised ends the episode, not the thread
-                self._outbox.put((False, exc))
+    def _call(self, job: tuple[str, Any]) -> Any:
+        method, arg = job
+        if self.env is None:
+            self.env = self.factory()  # the task's make_env(): it may raise or hang too
+        return getattr(self.env, method)(arg)
 
     def start(self, method: str, arg: Any) -> None:
-        self._method, self._deadline = method, time.monotonic() + self.timeout
-        self._inbox.put((method, arg))
+        assert self._worker is not None, "the environment hung or was closed"
+        self._method, self._deadline, self._pending = method, time.monotonic() + self.timeout, True
+        self._worker.inbox.put((self._call, (method, arg)))
 
     def result(self) -> Any:
         """The started call's checked answer (waits until its deadline at most)."""
+        assert self._worker is not None
         try:
-            ok, value = self._outbox.get(timeout=max(0.0, self._deadline - time.monotonic()))
+            ok, value = self._worker.outbox.get(timeout=max(0.0, self._deadline - time.monotonic()))
         except queue.Empty:
+            self._worker = None  # busy for good, maybe: never reused
             raise EnvFailure(
                 EPISODE_TIMEOUT,
                 f"{self._method}() took longer than task.env.step_timeout={self.timeout:g}s (abandoned)",
             ) from None
+        self._pending = False
         if not ok:
             raise EnvFailure(EPISODE_ERROR, f"{self._method}() raised {type(value).__name__}: {value}")
         return checked_observation(value, "reset") if self._method == "reset" else checked_step(value)
@@ -104,4 +129,7 @@ class GuardedEnv:
         return getattr(self.env, "max_turns", None)
 
     def close(self) -> None:
-        self._inbox.put(None)  # a hung thread never reads it; it is a daemon
+        """Give the thread to the next episode (unless a call is still running in it)."""
+        if self._worker is not None and not self._pending:
+            self._worker.release()
+        self._worker = None
