@@ -4,6 +4,7 @@ environments (FrozenLake built in, gym:ENV_ID, a plugin returning a gymnasium.En
 
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
@@ -153,7 +154,8 @@ def test_a_broken_environment_ends_its_episode_with_a_counted_error(model, how, 
     assert (f["reward"][bad] == 0).all()
     for i in np.flatnonzero(bad):  # not trained on: no token of a failed episode is in the loss
         assert batch.record(i)["loss_mask"].sum() == 0
-    assert words in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert words in err and re.search(r"environment of prompt [13] sample [01], turn \d+: ", err), err
 
 
 def test_a_failing_reset_or_make_env_is_an_episode_error_too(model):

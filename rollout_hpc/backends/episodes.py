@@ -86,9 +86,11 @@ def rollout_episodes(
     max_new_tokens: int,
     max_context: int | None = None,
     settings: EpisodeSettings = EpisodeSettings(),
+    labels: Sequence[str] | None = None,
 ) -> list[Episode]:
     """Play one episode per item, at most settings.parallel_envs at a time. `envs`: one environment per item, or
-    make(i) -> a fresh environment for episode i (called in the episode's thread, so it may fail like a step)."""
+    make(i) -> a fresh environment for episode i (called in the episode's thread, so it may fail like a step).
+    labels: what the rank's log calls episode i when its environment fails (default "episode i")."""
     make: Callable[[int], Any] = envs if callable(envs) else envs.__getitem__
     n = len(items)
     eps: list[Episode] = [Episode([]) for _ in range(n)]
@@ -107,7 +109,8 @@ def rollout_episodes(
             ep.turn_rewards = [0.0] * len(ep.turn_starts)  # stand-ins, as the reward
             if not ep.prompt_ids:  # the first observation never came: a placeholder prompt
                 ep.prompt_ids = tokenizer.encode_prompt("") or [tokenizer.eos_id]
-            print(f"environment of episode {i}, turn {turns[i]}: {failure}; the episode ends", file=sys.stderr)
+            who = labels[i] if labels is not None else f"episode {i}"
+            print(f"environment of {who}, turn {turns[i] + 1}: {failure}; the episode ends", file=sys.stderr)
 
     def start(new: list[int]) -> list[int]:
         for i in new:

@@ -186,7 +186,11 @@ class Generator:
         raise NotImplementedError
 
     def play_episodes(
-        self, items: Sequence[Any], seeds: Sequence[int], params: SamplingParams | None = None
+        self,
+        items: Sequence[Any],
+        seeds: Sequence[int],
+        params: SamplingParams | None = None,
+        labels: Sequence[str] | None = None,
     ) -> list[Episode]:
         """One episode of the task's environment per item, batched across environments (backends/episodes.py).
         Turn k of episode i samples with derive_seed(seeds[i], k): the same whatever else is in the batch.
@@ -214,6 +218,7 @@ class Generator:
                 params.max_new_tokens,
                 self.max_context,
                 settings,
+                labels,
             )
         finally:
             self.forget_prefixes()
@@ -236,7 +241,8 @@ class Generator:
             t_start=t_start,
         )
         if is_multi_turn(self.task):
-            return episode_batch(self.play_episodes([item for _, item, _ in rows], row_seeds), common)
+            labels = [f"prompt {idx} sample {s}" for idx, _, s in rows]  # what the rank's log names
+            return episode_batch(self.play_episodes([item for _, item, _ in rows], row_seeds, labels=labels), common)
         prompt_tokens = [self.encode_prompt(item) for _, item, _ in rows]
         gen = self.generate(prompt_tokens, row_seeds)
         rewards = [
