@@ -110,7 +110,8 @@ def rollout_episodes(
             if not ep.prompt_ids:  # the first observation never came: a placeholder prompt
                 ep.prompt_ids = tokenizer.encode_prompt("") or [tokenizer.eos_id]
             who = labels[i] if labels is not None else f"episode {i}"
-            print(f"environment of {who}, turn {turns[i] + 1}: {failure}; the episode ends", file=sys.stderr)
+            where = f"turn {turns[i]}" if turns[i] else "start"
+            print(f"environment of {who}, {where}: {failure}; the episode ends", file=sys.stderr)
 
     def start(new: list[int]) -> list[int]:
         for i in new:
