@@ -20,6 +20,7 @@ from rollout_hpc.envs.registry import check_task
 from rollout_hpc.envs.sokoban import SokobanLevels
 from rollout_hpc.errors import PluginError, TaskError
 from rollout_hpc.models import CharTokenizer, build_model
+from rollout_hpc.runtime.generator_loop import make_generator
 from rollout_hpc.runtime.objective import add_advantages, make_loss_fn
 from rollout_hpc.runtime.records import collate
 from rollout_hpc.trajectory import EPISODE_ERROR, EPISODE_OK, EPISODE_TIMEOUT, REWARD_ERROR, REWARD_TIMEOUT
@@ -361,3 +362,21 @@ def test_episode_turns_reuse_their_keys_and_values(model):
     )
     gen.forget_prefixes()
     assert gen._prefixes == {}
+
+
+def test_task_env_reaches_the_generator(model, tmp_path):
+    """task.env as the generator loop builds its generator: replies of max_tokens_per_turn tokens (not
+    algorithm.max_new_tokens), episodes capped at task.env.max_turns below the environment's own."""
+    (tmp_path / "c.yaml").write_text(
+        "task: {name: sokoban, params: {max_turns: 8}, env: {max_turns: 3, max_tokens_per_turn: 3, parallel_envs: 5}}\n"
+        "algorithm: {max_new_tokens: 1}\n"
+    )
+    cfg = load_config(tmp_path / "c.yaml", [])
+    task = load_task(cfg.task)
+    gen = make_generator(cfg, model, TOK, task)
+    assert gen.episodes == EpisodeSettings(parallel_envs=5, max_turns=3, format_penalty=0.0, step_timeout=30.0)
+    batch = gen.rollout(task.prompts(0), [0, 1], 4, 0, 0)
+    assert batch.fixed["n_turns"].max() == 3
+    records = [batch.record(i) for i in range(len(batch))]
+    replies = [int(r["loss_mask"][s : s + 4].sum()) for r in records for s in r["turn_starts"]]
+    assert max(replies) == 3 and min(replies) >= 1  # up to 3 tokens a turn (a reply ends at EOS or the limit)
