@@ -146,6 +146,11 @@ def _prefix_cache(prefixes, held: list[int], device):
     return mask, layers
 
 
+def _plain(cache) -> bool:
+    """Whether `cache` holds every layer's keys and values whole (what CachedPrefix reuses)."""
+    return isinstance(cache, DynamicCache) and all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers)
+
+
 def _with_prefixes(model, prompts, prefixes, pad_id: int, device):
     """(input ids, attention mask, position ids, cache) of a first forward pass that runs only what each row's
     cached prefix does not hold: per row [prefix columns (padding masked) | pad | rest of the prompt]."""
@@ -243,7 +248,9 @@ def generate(
     logprobs = [lp_l[i][: lengths_l[i]] for i in range(n)]
     stopped = set(params.stop_ids)
     truncated = [not (r and r[-1] in stopped) for r in responses]
-    kept = _kept_prefixes(prompts, responses, attn, past, width) if prefixes is not None else None
+    kept = None
+    if prefixes is not None:  # a cache of another kind (sliding windows, linear attention): recompute next time
+        kept = _kept_prefixes(prompts, responses, attn, past, width) if _plain(past) else [None] * n
     return Generation(responses, logprobs, truncated, kept)
 
 
