@@ -168,10 +168,40 @@ class ModelSection(_Section):
         return self
 
 
+class EnvSection(_Section):
+    """How a multi-turn task's episodes are played (task.env; docs/agentic.md)."""
+
+    max_turns: int | None = Field(
+        None, ge=1, description="Model turns after which an episode ends (truncated); default: the environment's own."
+    )
+    max_tokens_per_turn: int | None = Field(
+        None, ge=1, description="Tokens the model may generate in one turn; default: algorithm.max_new_tokens."
+    )
+    parallel_envs: int = Field(
+        64,
+        ge=1,
+        description="Episodes a generator rank steps at once: every turn their next prompts go to the generator in "
+        "one batched call; a finished episode leaves the batch and the next waiting one joins it.",
+    )
+    format_penalty: float = Field(
+        0.0,
+        ge=0,
+        description="Subtracted from an episode's reward for every turn whose reply the environment could not parse "
+        "(its step() info says format_error or invalid).",
+    )
+    step_timeout: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds one reset() or step() of an environment may take; past it the episode ends as an "
+        "environment error (counted, reward 0) and the run goes on.",
+    )
+
+
 class TaskSection(_Section):
     name: str = Field(
         "arithmetic",
-        description="Built-in task (arithmetic, sokoban, dataset) or plugin 'pkg.mod:attr' / 'file.py:attr'.",
+        description="Built-in task (arithmetic, sokoban, frozenlake, dataset), a gymnasium environment 'gym:ENV_ID', "
+        "or a plugin 'pkg.mod:attr' / 'file.py:attr'.",
     )
     reward: str | None = Field(
         None,
@@ -195,6 +225,7 @@ class TaskSection(_Section):
     )
     reward_workers: int = Field(2, ge=1, description="Reward worker processes per generator rank.")
     params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the task.")
+    env: EnvSection = Field(default_factory=EnvSection, description="Multi-turn episodes (sokoban, gym:..., plugins).")
 
     def sources(self) -> list[dict] | None:
         """The sources of a mixed dataset (task.name 'dataset' with task.params.train a list), else None."""
@@ -629,6 +660,12 @@ class Config(_Section):
     def _feasible(self) -> Config:
         if self.placement == "colocated":
             self._check_colocated()
+        hang, step = self.run.hang_timeout, self.task.env.step_timeout
+        if hang and step >= hang:  # one hung environment would look like a hung rank and end the job
+            raise ValueError(
+                f"task.env.step_timeout ({step:g} s) must be below run.hang_timeout ({hang:g} s): an environment that "
+                "hangs should end its episode, not the job; lower task.env.step_timeout or raise run.hang_timeout"
+            )
         cap = self.slurm.gpus_per_node
         for name in ("generator", "trainer"):
             g: GroupSection = getattr(self, name)

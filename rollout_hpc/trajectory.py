@@ -8,13 +8,14 @@ record or a single MPI message and is read back as numpy views, never pickled.
 
 Buffer layout (little endian, every section 8-byte aligned):
 
-    header   magic b"RHTB", layout u32, n_records u32, 6 x u64 section sizes, 4 pad bytes (64 bytes)
+    header   magic b"RHTB", layout u32, n_records u32, 7 x u64 section sizes, 4 pad bytes (72 bytes)
     fixed    n_records x FIXED_DTYPE
     prompt_ids     int32  (sum of prompt_len)
     response_ids   int32  (sum of response_len)
     logprobs       float32 (sum of response_len)   sampling log-probability of each response token
     loss_mask      uint8  (sum of response_len)   1 = token the policy chose (0 = environment text in multi-turn)
     turn_starts    int32  (sum of n_turns)        response offset where each turn begins
+    turn_rewards   float32 (sum of n_turns)       the environment's reward for each turn (multi-turn; 0 otherwise)
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ import numpy as np
 
 MAGIC = b"RHTB"
 # 2: the header is padded to 64 bytes so every section starts 8-byte aligned. `domain` took a byte of `_pad` without a
-# new version: the record size is the same and a record from an older writer reads as domain 0, which is right for it.
-LAYOUT_VERSION = 2
+# new version: the record size is the same and a record from an older writer reads as domain 0, which is right for it;
+# so did episode_status, format_errors and success (an older record reads as single-turn).
+# 3: turn_rewards, a seventh section (the header grew to 72 bytes).
+LAYOUT_VERSION = 3
 
 FIXED_DTYPE = np.dtype(
     [
@@ -43,7 +46,10 @@ FIXED_DTYPE = np.dtype(
         ("truncated", "u1"),  # response hit max_new_tokens
         ("reward_status", "u1"),  # REWARD_OK, or why the reward is a stand-in 0 (REWARD_ERROR, REWARD_TIMEOUT)
         ("domain", "u1"),  # source of a mixed dataset (index into the log's `domains` attribute); 0 otherwise
-        ("_pad", "u1", (5,)),
+        ("episode_status", "u1"),  # 0 single-turn; multi-turn: EPISODE_OK, or how the environment failed
+        ("format_errors", "u1"),  # multi-turn: turns whose reply the environment could not parse (at most 255)
+        ("success", "u1"),  # multi-turn: the environment said the episode was solved (info success / solved)
+        ("_pad", "u1", (2,)),
         ("t_start", "<f8"),  # wall clock (time.time()) when generation began
         ("t_end", "<f8"),  # when the reward was computed
     ]
@@ -57,13 +63,17 @@ RAGGED = (
     ("logprobs", np.float32, "response_len"),
     ("loss_mask", np.uint8, "response_len"),
     ("turn_starts", np.int32, "n_turns"),
+    ("turn_rewards", np.float32, "n_turns"),
 )
 
 # reward_status values: the reward function returned a number / raised / ran past task.reward_timeout.
 REWARD_OK, REWARD_ERROR, REWARD_TIMEOUT = 0, 1, 2
+# episode_status values: not an episode (single-turn) / an episode the environment played to its end / one whose
+# environment raised or gave something that is not (text, number, bool, dict) / one whose environment hung.
+SINGLE_TURN, EPISODE_OK, EPISODE_ERROR, EPISODE_TIMEOUT = 0, 1, 2, 3
 
 _LENGTH_FIELDS = {length_field for _, _, length_field in RAGGED}
-_HEADER = struct.Struct("<4sII6Q4x")
+_HEADER = struct.Struct(f"<4sII{1 + len(RAGGED)}Q4x")
 
 
 class LayoutError(ValueError):
@@ -87,6 +97,7 @@ class TrajectoryBatch:
     logprobs: np.ndarray
     loss_mask: np.ndarray
     turn_starts: np.ndarray
+    turn_rewards: np.ndarray
 
     def __len__(self) -> int:
         return len(self.fixed)
@@ -99,7 +110,7 @@ class TrajectoryBatch:
     @classmethod
     def from_records(cls, records: list[dict]) -> TrajectoryBatch:
         """Build from dicts with fixed fields plus ragged lists (missing ragged = empty,
-        missing loss_mask = all ones, missing turn_starts = one turn at 0)."""
+        missing loss_mask = all ones, missing turn_starts = one turn at 0, missing turn_rewards = zeros)."""
         given = {name for r in records for name in r}
         fixed = {name: [r.get(name, 0) for r in records] for name in FIXED_NAMES if name in given}
         return cls.from_columns(len(records), fixed, {name: [r.get(name) for r in records] for name, _, _ in RAGGED})
@@ -124,14 +135,17 @@ class TrajectoryBatch:
         lp = column("logprobs", lambda i: np.zeros(out["response_len"][i]))
         mask = column("loss_mask", lambda i: np.ones(out["response_len"][i]))
         turns = column("turn_starts", lambda i: (0,))
+        turn_rewards = column("turn_rewards", lambda i: np.zeros(len(turns[i])))
         for i in range(n):
             if not len(lp[i]) == len(mask[i]) == out["response_len"][i]:
                 raise ValueError(f"record {i}: logprobs, loss_mask and response_ids must have equal length")
+            if len(turn_rewards[i]) != len(turns[i]):
+                raise ValueError(f"record {i}: turn_rewards and turn_starts must have equal length")
         out["prompt_len"] = [len(x) for x in prompt]
         out["n_turns"] = [len(x) for x in turns]
         flat = [
             np.fromiter(itertools.chain.from_iterable(seqs), dt, count=sum(len(x) for x in seqs))
-            for (_, dt, _), seqs in zip(RAGGED, (prompt, resp, lp, mask, turns))
+            for (_, dt, _), seqs in zip(RAGGED, (prompt, resp, lp, mask, turns, turn_rewards))
         ]
         return cls(out, *flat)
 

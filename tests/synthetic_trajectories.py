@@ -55,6 +55,10 @@ def synthetic_batch(
         logprobs=-rng.random(total, dtype=np.float32) * 3,
         loss_mask=mask,
         turn_starts=turn_starts,
+        # the environment's per-turn rewards: 0 for single-turn records, as a real log has them
+        turn_rewards=(rng.normal(0, 0.3, len(turn_starts)) if multi_turn else np.zeros(len(turn_starts))).astype(
+            np.float32
+        ),
     )
 
 

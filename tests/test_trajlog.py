@@ -249,3 +249,30 @@ def test_open_reader_does_not_block_a_restarted_writer(tmp_path):
             assert monitor.stdout.readline().strip() == "20"
     finally:
         monitor.kill()
+
+
+def test_old_log_without_turn_rewards_or_episode_fields(tmp_path):
+    """A log written before layout 3 (no /traj/turn_rewards, no episode columns) reads them as zeros, and a writer
+    appending to it creates them (zeros for the rows before)."""
+    path = tmp_path / "trajectories.h5"
+    rng = np.random.default_rng(0)
+    with TrajectoryLog.open_for_append(path, {"run_name": "old"}) as log:
+        for step in range(2):
+            log.append(synthetic_batch(rng, 8, step, multi_turn=True), step)
+    with h5py.File(path, "r+") as f:
+        for name in ("turn_rewards", "episode_status", "success"):
+            del f[f"traj/{name}"]
+    with TrajectoryReader(path) as r:
+        old = r.batch(slice(0, r.rows))
+        assert len(old.turn_rewards) == old.fixed["n_turns"].sum() and not old.turn_rewards.any()
+        offsets, values = r.ragged_chunk("turn_rewards", 0, 8)
+        assert offsets[-1] == len(values) and not values.any()
+    new = synthetic_batch(rng, 8, 2, multi_turn=True)
+    with TrajectoryLog.open_for_append(path) as log:
+        assert set(log.reconciled["upgraded"]) >= {"/traj/turn_rewards", "/traj/episode_status", "/traj/success"}
+        log.append(new, 2)
+    with TrajectoryReader(path) as r:
+        assert r.rows == 24
+        both = r.batch(slice(0, 24))
+        assert np.array_equal(both.select(np.arange(16, 24)).turn_rewards, new.turn_rewards)
+        assert not both.select(np.arange(16)).turn_rewards.any()

@@ -120,8 +120,17 @@ def _segments(mask: np.ndarray) -> list[tuple[int, int, bool]]:
 def render_sample(s: dict, decode: Decode | None, answer: Answer | None = None) -> str:
     """A trajectory as text: header, prompt, the reference answer (where the task has one), then the response
     turn by turn (policy vs environment text)."""
-    flags = " [hit max_new_tokens]" if s["truncated"] else ""
     status = int(s.get("reward_status", 0))
+    episode = int(s.get("episode_status", 0))
+    flags = " [hit max_new_tokens]" if s["truncated"] and not episode else ""  # an episode: its last turn says
+    if episode:  # a multi-turn episode: how it ended (envs failing are not the reward's fault)
+        status = 0
+        flags += {
+            2: " [environment failed: scored 0, not trained on]",
+            3: " [environment hung: scored 0, not trained on]",
+        }.get(episode, "")
+        flags += f"  {s['n_turns']} turns" + (" solved" if s.get("success") else "")
+        flags += f", {s['format_errors']} unparsable" if s.get("format_errors") else ""
     flags += {1: " [reward raised: scored 0]", 2: " [reward timed out: scored 0]"}.get(status, "")
     source = f"  source {s['source']}" if s.get("source") else ""
     lines = [
@@ -136,8 +145,13 @@ def render_sample(s: dict, decode: Decode | None, answer: Answer | None = None) 
     bounds = [int(x) for x in starts] + [len(response)]
     if len(starts) <= 1:
         bounds = [0, len(response)]
+    rewards = s.get("turn_rewards", ())
     for t, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-        label = "  response:" if len(bounds) == 2 else f"  turn {t + 1}:"
+        label = "  response:" if len(bounds) == 2 and not episode else f"  turn {t + 1}:"
+        if episode and t < len(rewards):  # the environment's answer to this turn
+            last = t == len(bounds) - 2
+            ended = " (done)" if last and not s["truncated"] else " (truncated)" if last else ""
+            label = f"  turn {t + 1}: reward {float(rewards[t]) + 0.0:.4g}{ended}"  # (+ 0.0: no "-0")
         lines.append(label)
         for lo, hi, policy in _segments(mask[a:b]):
             who = "policy" if policy else "env   "

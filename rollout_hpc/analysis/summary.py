@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from rollout_hpc.analysis.run_info import launches, resolved_config, run_dir_of
 from rollout_hpc.store.trajlog import TrajectoryReader, read_meta
-from rollout_hpc.trajectory import REWARD_OK, REWARD_TIMEOUT
+from rollout_hpc.trajectory import EPISODE_OK, REWARD_OK, REWARD_TIMEOUT, SINGLE_TURN
 
 CHUNK_ROWS = 1 << 16
 PROGRESS_MIN_ROWS = 1 << 20  # show a progress bar from this many trajectories on
@@ -34,6 +34,10 @@ _COLUMNS = [
     "t_end",
     "reward_status",
     "domain",
+    "episode_status",
+    "n_turns",
+    "format_errors",
+    "success",
 ]
 # Metric names some writers use for the standard columns of the metrics table.
 METRIC_ALIASES = {
@@ -202,7 +206,7 @@ class _Totals:
 def analyze_run(run_dir_or_log: str | Path, chunk_rows: int = CHUNK_ROWS) -> RunAnalysis:
     with TrajectoryReader(run_dir_or_log) as reader:
         meta = read_meta(reader)
-        acc, totals = _StepAccumulator(), _Totals()
+        acc, totals, episodes = _StepAccumulator(), _Totals(), _StepAccumulator()
         names = list(meta.get("domains") or [])
         by_domain = [_StepAccumulator() for _ in names] if len(names) > 1 else []
         with _progress(reader.rows, f"reading {reader.path.name}") as bar:
@@ -219,6 +223,7 @@ def analyze_run(run_dir_or_log: str | Path, chunk_rows: int = CHUNK_ROWS) -> Run
                     staleness=chunk["staleness"],
                 )
                 totals.add(chunk, reward, resp)
+                _add_episodes(episodes, steps, chunk)
                 for k, domain_acc in enumerate(by_domain):
                     mine = chunk["domain"] == k
                     domain_acc.add(steps[mine], reward=reward[mine])
@@ -239,6 +244,7 @@ def analyze_run(run_dir_or_log: str | Path, chunk_rows: int = CHUNK_ROWS) -> Run
         analysis.summary["restarts"] = max(analysis.summary["restarts"], launched - 1)
     # algorithm.kl_coef 0: no reference model, and the logged KL is only estimator noise (None: no config here)
     analysis.summary["kl_coef"] = ((resolved_config(run_dir) or {}).get("algorithm") or {}).get("kl_coef")
+    analysis.summary["episodes"] = _episode_series(episodes)
     analysis.domains = _domain_series(names, by_domain, evals)
     analysis.summary["domains"] = {
         name: {
@@ -248,6 +254,36 @@ def analyze_run(run_dir_or_log: str | Path, chunk_rows: int = CHUNK_ROWS) -> Run
         for name, d in analysis.domains.items()
     }
     return analysis
+
+
+def _add_episodes(acc: _StepAccumulator, steps: np.ndarray, chunk: dict[str, np.ndarray]) -> None:
+    """The multi-turn records of a chunk into the per-step episode accumulator (single-turn rows are skipped)."""
+    mine = chunk["episode_status"] != SINGLE_TURN
+    if mine.any():
+        acc.add(
+            steps[mine],
+            success=chunk["success"][mine],
+            turns=chunk["n_turns"][mine],
+            format_errors=chunk["format_errors"][mine],
+            env_errors=chunk["episode_status"][mine] > EPISODE_OK,
+        )
+
+
+def _episode_series(acc: _StepAccumulator) -> dict | None:
+    """Per step of a multi-turn run (None for a single-turn one): the share of episodes solved, turns per
+    episode, the share of turns whose reply the environment could not parse, episodes whose environment failed."""
+    has = acc.count > 0
+    if not has.any():
+        return None
+    count, sums = acc.count[has], {k: v[has] for k, v in acc.sums.items()}
+    return {
+        "step": [int(s) for s in np.flatnonzero(has)],
+        "episodes": [int(c) for c in count],
+        "success_rate": (sums["success"] / count).tolist(),
+        "turns_per_episode": (sums["turns"] / count).tolist(),
+        "format_error_rate": (sums["format_errors"] / np.maximum(sums["turns"], 1)).tolist(),
+        "env_errors": [int(e) for e in sums["env_errors"]],
+    }
 
 
 def _domain_series(names: list[str], accs: list[_StepAccumulator], evals: dict) -> dict[str, dict[str, np.ndarray]]:

@@ -16,22 +16,22 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+from transformers import DynamicCache
 
 from rollout_hpc.models.logprobs import left_pad, position_ids_from_mask
 
+from .episodes import Episode, GenerateFn, rollout_episodes
 from .generator import (
-    Episode,
-    GenerateFn,
     Generation,
     Generator,
     SamplingParams,
     cut_at_stop_strings,
     derive_seed,
-    rollout_episodes,
     stop_string_end,
     trajectory_batch,
 )
@@ -84,6 +84,100 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+@dataclass
+class CachedPrefix:
+    """Tokens a row has run through the model: the start of the row's next prompt (a multi-turn episode's context
+    grows by appending), whose keys and values need not be computed again. They stay where the call that computed
+    them left them: row `row` of `source` (per layer (keys, values) [rows, heads, columns, dim]), in the columns
+    where `mask` is true (in order; the others are padding)."""
+
+    ids: list[int]
+    source: list[tuple[torch.Tensor, torch.Tensor]]
+    row: int
+    mask: torch.Tensor  # bool [columns of source]
+
+    def covers(self, prompt: Sequence[int]) -> int:
+        """How many leading tokens of `prompt` this prefix holds (at most all but its last token)."""
+        n = min(len(self.ids), len(prompt) - 1)
+        if n <= 0:
+            return 0
+        same = np.asarray(self.ids[:n]) == np.asarray(prompt[:n])
+        return n if same.all() else int(np.argmin(same))
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This row's keys and values of one layer, [heads, len(ids), dim]."""
+        k, v = self.source[layer]
+        return k[self.row][:, self.mask], v[self.row][:, self.mask]
+
+
+def _prefix_cache(prefixes, held: list[int], device):
+    """(mask [n, C], per layer (keys, values) [n, heads, C, dim]) holding each row's `held` prefix tokens.
+
+    The common case, every row's whole prefix from one earlier call (an episode's turns): that call's cache rows
+    as they are, padding columns and all (one row selection a layer). Else each row's first `held` tokens gathered
+    right-aligned at C = max(held) (a reply cut at a stop string, episodes from different calls)."""
+    users = [i for i, c in enumerate(held) if c]
+    first = prefixes[users[0]]
+    n = len(prefixes)
+    whole = all(prefixes[i].source is first.source and held[i] == len(prefixes[i].ids) for i in users)
+    if whole:
+        C = first.mask.shape[0]
+        mask = torch.zeros((n, C), dtype=torch.bool, device=device)
+        for i in users:
+            mask[i] = prefixes[i].mask
+        rows = torch.tensor([prefixes[i].row for i in users], device=device)
+        into = torch.tensor(users, device=device)
+        layers = []
+        for sk, sv in first.source:
+            k, v = sk.new_zeros((n, *sk.shape[1:])), sv.new_zeros((n, *sv.shape[1:]))
+            k[into], v[into] = sk[rows], sv[rows]
+            layers.append((k, v))
+        return mask, layers
+    C = max(held)
+    mask = torch.zeros((n, C), dtype=torch.bool, device=device)
+    k0, v0 = first.source[0]
+    layers = [(k0.new_zeros((n, k0.shape[1], C, k0.shape[3])), v0.new_zeros((n, v0.shape[1], C, v0.shape[3])))]
+    layers += [(k.new_zeros(layers[0][0].shape), v.new_zeros(layers[0][1].shape)) for k, v in first.source[1:]]
+    for i in users:
+        mask[i, C - held[i] :] = True
+        for layer, (k, v) in enumerate(layers):
+            pk, pv = prefixes[i].kv(layer)
+            k[i, :, C - held[i] :], v[i, :, C - held[i] :] = pk[:, : held[i]], pv[:, : held[i]]
+    return mask, layers
+
+
+def _plain(cache) -> bool:
+    """Whether `cache` holds every layer's keys and values whole (what CachedPrefix reuses)."""
+    return isinstance(cache, DynamicCache) and all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers)
+
+
+def _with_prefixes(model, prompts, prefixes, pad_id: int, device):
+    """(input ids, attention mask, position ids, cache) of a first forward pass that runs only what each row's
+    cached prefix does not hold: per row [prefix columns (padding masked) | pad | rest of the prompt]."""
+    held = [p.covers(q) if p is not None else 0 for p, q in zip(prefixes, prompts)]
+    ids, attn = left_pad([q[c:] for q, c in zip(prompts, held)], pad_id, device)
+    positions = position_ids_from_mask(attn) + torch.tensor(held, dtype=torch.long, device=device)[:, None]
+    if not any(held):
+        return ids, attn, positions, None
+    mask, layers = _prefix_cache(prefixes, held, device)
+    cache = DynamicCache(ddp_cache_data=layers, config=model.config)
+    return ids, torch.cat([mask.to(attn.dtype), attn], dim=1), positions, cache
+
+
+def _kept_prefixes(prompts, responses, attn, cache, width: int) -> list[CachedPrefix]:
+    """Each row's prompt and response but its last token (the model never ran on that one): the real columns of
+    the first `width` (prefix and prompt), then the fed response tokens."""
+    source = [(layer.keys, layer.values) for layer in cache.layers]
+    columns = source[0][0].shape[2]
+    fed = torch.tensor([max(len(r) - 1, 0) for r in responses], device=attn.device)
+    after = torch.arange(columns - width, device=attn.device)[None, :] < fed[:, None]
+    mask = torch.cat([attn[:, :width].bool(), after], dim=1)
+    return [
+        CachedPrefix(list(p) + list(r[: int(fed[i])]), source, i, mask[i])
+        for i, (p, r) in enumerate(zip(prompts, responses))
+    ]
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -92,11 +186,14 @@ def generate(
     pad_id: int,
     generator: torch.Generator | Sequence[torch.Generator] | None = None,
     stop_text: Callable[[list[int]], str] | None = None,
+    prefixes: Sequence[CachedPrefix | None] | None = None,
 ) -> Generation:
     """Sample one response per prompt (token lists) with a KV cache; prompts are left-padded.
     `generator`: one CPU torch.Generator for the batch, or one per prompt. `stop_text` (a decode function)
     is needed for params.stop: a row ends at the token after which its text's tail contains a stop string
-    (the caller cuts exactly with cut_at_stop_strings)."""
+    (the caller cuts exactly with cut_at_stop_strings). `prefixes` (one per row, None: none): what earlier calls
+    ran of each prompt (the start it shares is not run again); then the result's `prefixes` are each row's for the
+    next call."""
     n = len(prompts)
     if n == 0:
         return Generation([], [], [])
@@ -105,8 +202,12 @@ def generate(
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (start prompts with the tokenizer's BOS)")
     device = next(model.parameters()).device
-    ids, attn = left_pad(prompts, pad_id, device)
-    positions = position_ids_from_mask(attn)
+    if prefixes is None:
+        ids, attn = left_pad(prompts, pad_id, device)
+        positions, past = position_ids_from_mask(attn), None
+    else:
+        ids, attn, positions, past = _with_prefixes(model, prompts, prefixes, pad_id, device)
+    width = attn.shape[1]  # columns of the prompts (and their cached prefixes)
     stop = torch.tensor(sorted(params.stop_ids), dtype=torch.long, device=device)
     out_ids = torch.full((n, params.max_new_tokens), pad_id, dtype=torch.long, device=device)
     out_lp = torch.zeros((n, params.max_new_tokens), dtype=torch.float32, device=device)
@@ -114,7 +215,6 @@ def generate(
     finished = torch.zeros(n, dtype=torch.bool, device=device)
 
     cache_kw = _cache_kwarg(model)
-    past = None
     step_ids, step_pos = ids, positions
     for t in range(params.max_new_tokens):
         out = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos, use_cache=True, **{cache_kw: past})
@@ -148,7 +248,10 @@ def generate(
     logprobs = [lp_l[i][: lengths_l[i]] for i in range(n)]
     stopped = set(params.stop_ids)
     truncated = [not (r and r[-1] in stopped) for r in responses]
-    return Generation(responses, logprobs, truncated)
+    kept = None
+    if prefixes is not None:  # a cache of another kind (sliding windows, linear attention): recompute next time
+        kept = _kept_prefixes(prompts, responses, attn, past, width) if _plain(past) else [None] * n
+    return Generation(responses, logprobs, truncated, kept)
 
 
 class HFGenerator(Generator):
@@ -171,13 +274,21 @@ class HFGenerator(Generator):
         self.max_context = max_context or getattr(getattr(model, "config", None), "max_position_embeddings", None)
         # model.lora: a sync holds only the merged adapted layers (the rest is the frozen base this rank built too)
         self.partial_weights = partial_weights
+        self._prefixes: dict = {}  # cache key -> CachedPrefix (generate(..., cache_keys=...))
 
     def load_weights(self, weights: dict[str, Any]) -> None:
+        self.forget_prefixes()  # keys and values of the old weights
         load_weights_into(self.model, weights, complete=not self.partial_weights)
 
-    def generate(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams | None = None) -> Generation:
+    def generate(
+        self, prompts: list[list[int]], seeds: list[int], params: SamplingParams | None = None, cache_keys=None
+    ) -> Generation:
         params = params or self.sampling
         generators = [torch.Generator().manual_seed(s) for s in seeds]
+        prefixes = None
+        if cache_keys is not None:  # rows whose earlier calls' keys and values are kept (episodes); others are dropped
+            prefixes = [self._prefixes.get(k) for k in cache_keys]
+            self._prefixes = {}
         out = generate(
             self.model,
             prompts,
@@ -185,8 +296,15 @@ class HFGenerator(Generator):
             self.tokenizer.pad_id,
             generators,
             stop_text=self.tokenizer.decode if params.stop else None,
+            prefixes=prefixes,
         )
+        if cache_keys is not None:
+            assert out.prefixes is not None  # generate() returns them when given prefixes
+            self._prefixes, out.prefixes = dict(zip(cache_keys, out.prefixes)), None
         return cut_at_stop_strings(out, self.tokenizer, params.stop)
+
+    def forget_prefixes(self) -> None:
+        self._prefixes = {}
 
 
 @torch.no_grad()

@@ -84,7 +84,10 @@ class VLLMGenerator(Generator):
         if self.max_context is None:
             self.max_context = self.llm.llm_engine.model_config.max_model_len
 
-    def generate(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams | None = None) -> Generation:
+    def generate(
+        self, prompts: list[list[int]], seeds: list[int], params: SamplingParams | None = None, cache_keys=None
+    ) -> Generation:
+        # cache_keys: ignored; the engine's own prefix caching (enable_prefix_caching) serves an episode's turns
         vllm = self._vllm
         s = params or self.sampling
         # Stop strings need text, and the engine has no tokenizer (skip_tokenizer_init): responses are cut after

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rollout_hpc.envs.base import dataset_item, is_multi_turn
-from rollout_hpc.errors import TaskError
 from rollout_hpc.models.prompting import encode_prompt_item
 from rollout_hpc.trajectory import TrajectoryBatch
+
+from .episodes import Episode, EpisodeSettings, reward_status, rollout_episodes
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class Generation:
     response_ids: list[list[int]]  # includes the stop token when one was sampled
     logprobs: list[list[float]]  # sampling log-probability of each response token
     truncated: list[bool]  # reached max_new_tokens without a stop token
+    prefixes: list | None = None  # a backend's kept keys/values per row (generate_hf.CachedPrefix), when asked
 
 
 def derive_seed(*parts: int) -> int:
@@ -98,6 +100,7 @@ def trajectory_batch(
     t_end: float,
     loss_masks: Sequence[Sequence[int]] | None = None,
     turn_starts: Sequence[Sequence[int]] | None = None,
+    turn_rewards: Sequence[Sequence[float]] | None = None,
 ) -> TrajectoryBatch:
     """Pack generation results into the record every generator produces (one row per trajectory)."""
     fixed = dict(
@@ -116,76 +119,32 @@ def trajectory_batch(
         logprobs=logprobs,
         loss_mask=loss_masks,
         turn_starts=turn_starts,
+        turn_rewards=turn_rewards,
     )
     return TrajectoryBatch.from_columns(len(response_ids), fixed, ragged)
 
 
-# --- multi-turn episodes ---------------------------------------------------------
-
-# generate_fn(prompts, live): `live` are the episode indices the prompts belong to
-GenerateFn = Callable[[list[list[int]], list[int]], Generation]
-
-
-@dataclass
-class Episode:
-    prompt_ids: list[int]
-    response_ids: list[int]  # model turns and the observations between them
-    logprobs: list[float]  # 0 on observation tokens
-    loss_mask: list[int]  # 1 on model tokens, 0 on observation tokens
-    turn_starts: list[int]  # response offset where each model turn begins
-    reward: float  # sum of the step rewards
-    truncated: bool  # ended by max_turns or the context limit, not by the environment
-
-
-def rollout_episodes(
-    envs: Sequence[Any],
-    items: Sequence[Any],
-    generate_fn: GenerateFn,
-    tokenizer,
-    max_new_tokens: int,
-    max_context: int | None = None,
-) -> list[Episode]:
-    """Play one episode per (env, item) in lockstep: each turn generates for every live episode
-    in one batch, then steps the environments. An episode ends when its environment says done,
-    after env.max_turns turns, or when the next turn would not fit in max_context tokens."""
-    first = [tokenizer.encode_prompt(env.reset(item)) for env, item in zip(envs, items)]
-    for p in first:
-        if max_context is not None and len(p) + max_new_tokens > max_context:
-            raise TaskError(
-                f"a first observation of {len(p)} tokens plus max_new_tokens={max_new_tokens} exceeds the model's "
-                f"context of {max_context} tokens; raise model.max_seq_len or shorten the task's observations"
-            )
-    eps = [Episode(list(p), [], [], [], [], 0.0, False) for p in first]
-    contexts = [list(p) for p in first]
-    live = list(range(len(envs)))
-    turn = 0
-    while live:
-        gen = generate_fn([contexts[i] for i in live], live)
-        turn += 1
-        still = []
-        for k, i in enumerate(live):
-            ep, ids = eps[i], gen.response_ids[k]
-            ep.turn_starts.append(len(ep.response_ids))
-            ep.response_ids += ids
-            ep.logprobs += gen.logprobs[k]
-            ep.loss_mask += [1] * len(ids)
-            contexts[i] += ids
-            obs, reward, done, info = envs[i].step(tokenizer.decode(ids))
-            ep.reward += float(reward)
-            if done or turn >= envs[i].max_turns:
-                ep.truncated = not done or bool(isinstance(info, dict) and info.get("truncated", False))
-                continue
-            obs_ids = tokenizer.encode(obs)
-            if max_context is not None and len(contexts[i]) + len(obs_ids) + max_new_tokens > max_context:
-                ep.truncated = True  # the next turn would not fit: end here, without the observation
-                continue
-            ep.response_ids += obs_ids
-            ep.logprobs += [0.0] * len(obs_ids)
-            ep.loss_mask += [0] * len(obs_ids)
-            contexts[i] += obs_ids
-            still.append(i)
-        live = still
-    return eps
+def episode_batch(eps: Sequence[Episode], common: dict[str, Any]) -> TrajectoryBatch:
+    """The records of played episodes (rows in the order of `eps`); `common`: trajectory_batch's shared keywords."""
+    status = [e.status for e in eps]
+    batch = trajectory_batch(
+        [e.prompt_ids for e in eps],
+        [e.response_ids for e in eps],
+        [e.logprobs for e in eps],
+        [e.reward for e in eps],
+        truncated=[e.truncated for e in eps],
+        t_end=time.time(),
+        loss_masks=[e.loss_mask for e in eps],
+        turn_starts=[e.turn_starts for e in eps],
+        turn_rewards=[e.turn_rewards for e in eps],
+        **common,
+    )
+    f = batch.fixed
+    f["episode_status"] = status
+    f["reward_status"] = [reward_status(e) for e in eps]
+    f["format_errors"] = [min(e.format_errors, 255) for e in eps]
+    f["success"] = [e.success for e in eps]
+    return batch
 
 
 # --- the generator a rank runs ------------------------------------------------
@@ -204,10 +163,20 @@ class Generator:
     sampling: SamplingParams
     seed: int
     max_context: int | None
+    episodes: EpisodeSettings | None = None  # task.env of a multi-turn task (set by the generator loop)
+    max_tokens_per_turn: int | None = None  # task.env.max_tokens_per_turn (default: sampling.max_new_tokens)
 
-    def generate(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams | None = None) -> Generation:
-        """One response per prompt; sample i seeded by seeds[i]; params default to self.sampling."""
+    def generate(
+        self, prompts: list[list[int]], seeds: list[int], params: SamplingParams | None = None, cache_keys=None
+    ) -> Generation:
+        """One response per prompt; sample i seeded by seeds[i]; params default to self.sampling. cache_keys (one
+        hashable per row): the backend may keep what it computed for the row and, when the next call with the same
+        key has a prompt that starts with this one and its response, not compute that start again (an episode's
+        turns); rows of keys absent from a call are dropped. A backend without such a cache ignores them."""
         raise NotImplementedError
+
+    def forget_prefixes(self) -> None:
+        """Drop what generate kept for cache_keys (the episodes are over, or the weights change)."""
 
     def encode_prompt(self, item) -> list[int]:
         """The token ids the model sees for a prompt item (chat template applied where the task asks for it)."""
@@ -215,6 +184,44 @@ class Generator:
 
     def load_weights(self, weights: dict[str, Any]) -> None:
         raise NotImplementedError
+
+    def play_episodes(
+        self,
+        items: Sequence[Any],
+        seeds: Sequence[int],
+        params: SamplingParams | None = None,
+        labels: Sequence[str] | None = None,
+    ) -> list[Episode]:
+        """One episode of the task's environment per item, batched across environments (backends/episodes.py).
+        Turn k of episode i samples with derive_seed(seeds[i], k): the same whatever else is in the batch.
+        params: per-turn sampling (default: self.sampling with task.env.max_tokens_per_turn)."""
+        settings = self.episodes or EpisodeSettings()
+        if params is None:
+            params = self.sampling
+            if self.max_tokens_per_turn:
+                params = replace(params, max_new_tokens=self.max_tokens_per_turn)
+        turns = [0] * len(items)
+
+        def generate_turn(prompts, live):
+            turn_seeds = [derive_seed(seeds[i], turns[i]) for i in live]
+            for i in live:
+                turns[i] += 1
+            # an episode's next prompt starts with its last one and the reply: the backend need not run that again
+            return self.generate(prompts, turn_seeds, params, cache_keys=live)
+
+        try:
+            return rollout_episodes(
+                lambda i: self.task.make_env(),
+                items,
+                generate_turn,
+                self.tokenizer,
+                params.max_new_tokens,
+                self.max_context,
+                settings,
+                labels,
+            )
+        finally:
+            self.forget_prefixes()
 
     def rollout(
         self, dataset, prompt_indices: Sequence[int], group_size: int, gen_rank: int, policy_version: int
@@ -234,32 +241,8 @@ class Generator:
             t_start=t_start,
         )
         if is_multi_turn(self.task):
-            envs = [self.task.make_env() for _ in rows]
-            turn = iter(range(1 << 30))
-
-            def generate_turn(prompts, live):
-                k = next(turn)
-                return self.generate(prompts, [derive_seed(row_seeds[i], k) for i in live])
-
-            eps = rollout_episodes(
-                envs,
-                [item for _, item, _ in rows],
-                generate_turn,
-                self.tokenizer,
-                self.sampling.max_new_tokens,
-                self.max_context,
-            )
-            return trajectory_batch(
-                [e.prompt_ids for e in eps],
-                [e.response_ids for e in eps],
-                [e.logprobs for e in eps],
-                [e.reward for e in eps],
-                truncated=[e.truncated for e in eps],
-                t_end=time.time(),
-                loss_masks=[e.loss_mask for e in eps],
-                turn_starts=[e.turn_starts for e in eps],
-                **common,
-            )
+            labels = [f"prompt {idx} sample {s}" for idx, _, s in rows]  # what the rank's log names
+            return episode_batch(self.play_episodes([item for _, item, _ in rows], row_seeds, labels=labels), common)
         prompt_tokens = [self.encode_prompt(item) for _, item, _ in rows]
         gen = self.generate(prompt_tokens, row_seeds)
         rewards = [

@@ -11,9 +11,24 @@ from rollout_hpc.rewards import CODE_PARAMS, builtin_reward, is_builtin_reward
 from .arithmetic import ArithmeticTask
 from .base import is_multi_turn
 from .dataset import DatasetTask
+from .frozenlake import FrozenLakeAdapter, FrozenLakeTask
+from .gym_env import GYM_PREFIX, gym_task, is_gym_env, wrap_gym_env
 from .sokoban import SokobanTask
 
-BUILTIN_TASKS = {"arithmetic": ArithmeticTask, "sokoban": SokobanTask, "dataset": DatasetTask}
+BUILTIN_TASKS = {
+    "arithmetic": ArithmeticTask,
+    "sokoban": SokobanTask,
+    "frozenlake": FrozenLakeTask,
+    "dataset": DatasetTask,
+}
+GYM_ADAPTERS = {"FrozenLake": FrozenLakeAdapter}  # gymnasium environments (id without version) with a built-in adapter
+
+
+def builtin_adapter(env_id: str | None):
+    """The built-in text adapter class of a gymnasium environment id ('FrozenLake-v1'), or None."""
+    return GYM_ADAPTERS.get((env_id or "").split("/")[-1].rsplit("-v", 1)[0])
+
+
 NEEDS_REWARD = {"dataset"}  # tasks that bring prompts and answers but no reward of their own
 
 
@@ -64,12 +79,20 @@ def load_task(task_cfg, data_dir=None) -> Any:
             raise TaskError(f"task.params for built-in task '{name}': {exc}") from None
         except ValueError as exc:
             raise TaskError(f"task.params for built-in task '{name}': {exc}") from None
+    elif name.startswith(GYM_PREFIX):
+        env_id = name[len(GYM_PREFIX) :]
+        try:
+            task = gym_task(env_id, builtin_adapter=builtin_adapter(env_id), **params)
+        except TypeError as exc:
+            raise TaskError(
+                f"task.params for '{name}': {exc} (it takes adapter, max_turns, invalid_penalty, env_kwargs)"
+            ) from None
     elif is_plugin_spec(name):
         task = _task_from_plugin(name, params)
     else:
         raise TaskError(
-            f"task.name '{name}' is not a built-in task ({', '.join(BUILTIN_TASKS)}) "
-            "nor a plugin; name a plugin as 'package.module:attr' or 'path/to/file.py:attr'"
+            f"task.name '{name}' is not a built-in task ({', '.join(BUILTIN_TASKS)}), a gymnasium environment "
+            "'gym:ENV_ID', nor a plugin; name a plugin as 'package.module:attr' or 'path/to/file.py:attr'"
         )
     spec = task_cfg.reward
     domains = getattr(task, "domain_rewards", None)  # a mixed dataset: one reward per source
@@ -139,9 +162,11 @@ def check_task(cfg) -> Any:
     """Load cfg's task as the ranks will (reading and checking a dataset's files) and check that the eval
     section can run on it. Raises TaskError / DatasetError / PluginError naming the field or file."""
     task = load_task(cfg.task)
+    if not is_multi_turn(task) and cfg.task.env != type(cfg.task.env)():
+        raise TaskError(
+            f"task.env sets how multi-turn episodes are played; '{cfg.task.name}' is single-turn (remove task.env)"
+        )
     if cfg.eval is not None:
-        if is_multi_turn(task):
-            raise TaskError(f"eval: validation runs single-turn tasks; '{cfg.task.name}' is multi-turn (remove eval:)")
         rows = eval_prompts(task, cfg.run.seed)
         if rows is None or len(rows) == 0:
             raise TaskError(
@@ -168,6 +193,10 @@ def _task_from_plugin(spec: str, params: dict) -> Any:
             task = obj(**params)
         except TypeError as exc:
             raise PluginError(f"{who}: calling it with task.params {params} failed: {exc}") from None
+        if is_gym_env(task):  # a gymnasium.Env factory: every episode gets a fresh one
+            return wrap_gym_env(
+                obj, task, params, who, builtin_adapter(getattr(getattr(task, "spec", None), "id", None))
+            )
     else:
         raise PluginError(f"{who} is a {type(obj).__name__}; export a task object, class or factory function")
     if not callable(getattr(task, "prompts", None)):

@@ -28,6 +28,7 @@ WORDS = {"u": "U", "up": "U", "d": "D", "down": "D", "l": "L", "left": "L", "r":
 INSTRUCTIONS = "Push $ onto . (U/D/L/R)\n"
 
 Cell = tuple[int, int]
+EVAL_SPLIT, EVAL_LEVELS = 0xE7A1, 64  # held-out levels: generate_level([seed, EVAL_SPLIT, i]), i < EVAL_LEVELS
 
 
 @dataclass(frozen=True)
@@ -183,13 +184,13 @@ class SokobanEnv:
 class SokobanLevels:
     """Infinite, random-access stream of levels: level i depends only on (seed, i)."""
 
-    def __init__(self, seed: int, env: SokobanEnv) -> None:
-        self.seed, self.env = seed, env
+    def __init__(self, seed: int, env: SokobanEnv, split: tuple[int, ...] = ()) -> None:
+        self.seed, self.env, self.split = seed, env, split
 
     def __getitem__(self, i: int) -> Prompt:
         if i < 0:
             raise IndexError(f"prompt index {i} is negative")
-        level = generate_level([self.seed, i], self.env.size, self.env.interior_walls)
+        level = generate_level([self.seed, *self.split, i], self.env.size, self.env.interior_walls)
         text = (INSTRUCTIONS if self.env.instructions else "") + level.render(level.box, level.player) + "\n"
         return Prompt(text=text, meta={"level": level})
 
@@ -210,3 +211,9 @@ class SokobanTask:
 
     def prompts(self, seed: int) -> SokobanLevels:
         return SokobanLevels(abs(int(seed)), self.make_env())
+
+    def eval_prompts(self, seed: int) -> list[Prompt]:
+        """EVAL_LEVELS held-out levels from their own seed stream (small rooms have few layouts: 504 for size 5,
+        so some may equal training levels; interior_walls and size make more)."""
+        levels = SokobanLevels(abs(int(seed)), self.make_env(), split=(EVAL_SPLIT,))
+        return [levels[i] for i in range(EVAL_LEVELS)]

@@ -20,7 +20,9 @@ from dataclasses import replace
 
 import numpy as np
 
+from rollout_hpc.backends.episodes import reward_status
 from rollout_hpc.backends.generate_hf import derive_seed
+from rollout_hpc.envs.base import is_multi_turn
 from rollout_hpc.rewards import REWARD_OK
 
 EVAL_TAG = 7707
@@ -82,6 +84,16 @@ def eval_metrics(prompt_ids, rewards, statuses, lengths, threshold: float, k: in
     }
 
 
+def episode_eval_metrics(episodes: list[tuple[float, int, int]]) -> dict[str, float]:
+    """Held-out episodes [(success, turns, format errors)]: success_rate, turns_per_episode, format_error_rate."""
+    success, turns, errors = (np.asarray(c, np.float64) for c in zip(*episodes))
+    return {
+        "success_rate": float(success.mean()),
+        "turns_per_episode": float(turns.mean()),
+        "format_error_rate": float(errors.sum() / max(turns.sum(), 1.0)),
+    }
+
+
 class Evaluator:
     """The generator ranks' side: evaluate a point and send the metrics to the log's writer."""
 
@@ -90,8 +102,12 @@ class Evaluator:
         self.eval_comm, self.logger_rank = eval_comm, logger_rank
         e, a = cfg.eval, cfg.algorithm
         self.k = e.samples_per_prompt
+        self.multi_turn = is_multi_turn(gen.task)  # held-out environment seeds: episodes score themselves
+        per_turn = gen.max_tokens_per_turn if self.multi_turn else None
         self.params = replace(
-            gen.sampling, greedy=e.greedy and self.k == 1, max_new_tokens=e.max_new_tokens or a.max_new_tokens
+            gen.sampling,
+            greedy=e.greedy and self.k == 1,
+            max_new_tokens=e.max_new_tokens or per_turn or a.max_new_tokens,
         )
         n = len(rows) if e.max_prompts is None else min(len(rows), e.max_prompts)
         self.mine = np.array_split(np.arange(n), world.group_size)[world.group_rank]
@@ -102,30 +118,40 @@ class Evaluator:
         """Evaluate with the weights the generator holds (version); collective over the generator group."""
         t0 = time.time()
         rows = [(int(i), s) for i in self.mine for s in range(self.k)]
-        tokens = {int(i): self.gen.encode_prompt(self.rows[int(i)]) for i in self.mine}
-        rewards, statuses, lengths = [], [], []
+        # an episode's first prompt comes from its environment's reset()
+        tokens = {} if self.multi_turn else {int(i): self.gen.encode_prompt(self.rows[int(i)]) for i in self.mine}
+        rewards, statuses, lengths, episodes = [], [], [], []
         for lo in range(0, len(rows), self.chunk):
             part = rows[lo : lo + self.chunk]
             seeds = [self.derive_seed(self.cfg.run.seed, _EVAL_SEED, point, i, s) for i, s in part]
+            if self.multi_turn:
+                eps = self.gen.play_episodes([self.rows[i] for i, _ in part], seeds, self.params)
+                rewards += [e.reward for e in eps]
+                statuses += [reward_status(e) for e in eps]
+                lengths += [len(e.response_ids) for e in eps]
+                episodes += [(float(e.success), len(e.turn_starts), e.format_errors) for e in eps]
+                continue
             out = self.gen.generate([tokens[i] for i, _ in part], seeds, self.params)
             texts = [self.gen.tokenizer.decode(ids) for ids in out.response_ids]
             results = self.workers.score([(("eval", i), text) for (i, _), text in zip(part, texts)])
             rewards += [r.value for r in results]
             statuses += [r.status for r in results]
             lengths += [len(ids) for ids in out.response_ids]
-        local = ([i for i, _ in rows], rewards, statuses, lengths, version)
+        local = ([i for i, _ in rows], rewards, statuses, lengths, episodes, version)
         gathered = self.world.group_comm.gather(local, root=0)
         if self.world.group_rank != 0:
             return
         # The group's rows, rank after rank.
-        group_ids, group_rewards, group_statuses, group_lengths = (
-            [x for g in gathered for x in g[c]] for c in range(4)
+        group_ids, group_rewards, group_statuses, group_lengths, group_episodes = (
+            [x for g in gathered for x in g[c]] for c in range(5)
         )
         m = eval_metrics(
             group_ids, group_rewards, group_statuses, group_lengths, threshold=self.cfg.eval.pass_threshold, k=self.k
         )
+        if group_episodes:
+            m.update(episode_eval_metrics(group_episodes))
         m.update(self._per_domain(group_ids, group_rewards))
-        m.update(step=float(point), policy_version=float(min(g[4] for g in gathered)), eval_time=time.time() - t0)
+        m.update(step=float(point), policy_version=float(min(g[5] for g in gathered)), eval_time=time.time() - t0)
         self.eval_comm.send(m, dest=self.logger_rank, tag=EVAL_TAG)
 
     def _per_domain(self, prompt_ids: list[int], rewards: list[float]) -> dict[str, float]:
@@ -149,6 +175,8 @@ def eval_line(m: dict[str, float]) -> str:
         f"reward {m['mean_reward']:.3f}  len {m['response_len_mean']:.1f}  ({int(m['prompts'])} prompts x {int(m['k'])}, "
         f"{m['eval_time']:.1f}s)"
     )
+    if "success_rate" in m:  # held-out episodes of a multi-turn task
+        line += f"  success {m['success_rate']:.3f}  turns {m['turns_per_episode']:.1f}"
     per_domain = [f"{k.partition('/')[2]} {v:.3f}" for k, v in m.items() if k.startswith("accuracy/")]
     if per_domain:
         line += f"  by source: {' '.join(per_domain)}"

@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+from rollout_hpc.backends.episodes import EpisodeSettings
 from rollout_hpc.backends.generate_hf import HFGenerator, SamplingParams, derive_seed, trajectory_batch
 from rollout_hpc.backends.generate_vllm import VLLMGenerator
 from rollout_hpc.envs import load_task
@@ -114,6 +115,13 @@ def receive_weights(weights, min_version: int):
 
 def make_generator(cfg, model, tokenizer, task):
     sampling = SamplingParams.from_config(cfg.algorithm, tokenizer)
+    gen = _backend(cfg, model, tokenizer, task, sampling)
+    gen.episodes = EpisodeSettings.from_config(cfg.task.env)  # how a multi-turn task's episodes are played
+    gen.max_tokens_per_turn = cfg.task.env.max_tokens_per_turn
+    return gen
+
+
+def _backend(cfg, model, tokenizer, task, sampling):
     if cfg.generator.backend == "vllm":
         return VLLMGenerator(
             cfg.model,
@@ -192,8 +200,8 @@ def reward_pool(cfg, task, run_dir: Path):
 
 def make_evaluator(world, cfg, gen, task, workers, eval_comm):
     rows = eval_prompts(task, cfg.run.seed)
-    if rows is None or workers is None:
-        return None  # refused at submit time (commands check it); a multi-turn task has no eval here
+    if rows is None or (workers is None and not is_multi_turn(task)):
+        return None  # refused at submit time (commands check it)
     logger = next(r.rank for r in world.ranks if r.role == "trainer" and r.group_rank == 0)
     return Evaluator(world, cfg, gen, rows, workers, eval_comm, logger)
 

@@ -14,7 +14,7 @@ import numpy as np
 from rollout_hpc.runtime.step_plan import domain_names
 from rollout_hpc.store.trajlog import TrajectoryLog, log_path
 from rollout_hpc.store.trajlog import read_metrics as read_log_metrics
-from rollout_hpc.trajectory import TrajectoryBatch
+from rollout_hpc.trajectory import EPISODE_OK, SINGLE_TURN, TrajectoryBatch
 
 # Fields of the progress line: (metric key, label, format). Names follow store.trajlog.STANDARD_METRICS.
 _LINE = (
@@ -34,7 +34,12 @@ _LINE = (
     ("sync_time", "sync", "{:.2f}s"),
     ("tokens_per_s", "tok/s", "{:.0f}"),
     ("reward_errors", "reward errors", "{:.0f}"),  # shown only when non-zero
+    ("success_rate", "success", "{:.2f}"),  # multi-turn episodes only (episode_metrics)
+    ("turns_per_episode", "turns", "{:.1f}"),
+    ("format_error_rate", "format errors", "{:.2f}"),
+    ("env_errors", "env errors", "{:.0f}"),  # shown only when non-zero
 )
+_ONLY_NONZERO = {"reward_errors", "env_errors"}
 
 
 def batch_metrics(batch: TrajectoryBatch, step: int) -> dict[str, float]:
@@ -58,6 +63,23 @@ def batch_metrics(batch: TrajectoryBatch, step: int) -> dict[str, float]:
         "tokens": float(f["response_len"].sum() + f["prompt_len"].sum()),
         "response_tokens": float(f["response_len"].sum()),
         "reward_errors": float(np.count_nonzero(f["reward_status"])),  # raised or timed out: scored 0
+        **episode_metrics(batch),
+    }
+
+
+def episode_metrics(batch: TrajectoryBatch) -> dict[str, float]:
+    """A multi-turn step's episodes ({} for single-turn records): the share solved, turns per episode, the share of
+    turns whose reply the environment could not parse, and episodes whose environment failed."""
+    f = batch.fixed
+    status = f["episode_status"]
+    if not np.any(status != SINGLE_TURN):
+        return {}
+    turns = f["n_turns"].astype(np.float64)
+    return {
+        "success_rate": float(f["success"].mean()),
+        "turns_per_episode": float(turns.mean()),
+        "format_error_rate": float(f["format_errors"].sum() / max(turns.sum(), 1.0)),
+        "env_errors": float(np.count_nonzero(status > EPISODE_OK)),
     }
 
 
@@ -90,7 +112,7 @@ def _no_negative_zero(text: str) -> str:
 def progress_line(step: int, steps: int, m: dict[str, float]) -> str:
     parts = [f"step {step + 1}/{steps}"]
     for key, label, fmt in _LINE:
-        if key in m and not (key == "reward_errors" and not m[key]):
+        if key in m and not (key in _ONLY_NONZERO and not m[key]):
             value = _small(m[key]) if fmt == "small" else _no_negative_zero(fmt.format(m[key]))
             if label == "±":
                 parts[-1] += f" ±{value}"  # "reward 0.42 ±0.31"

@@ -464,7 +464,7 @@ def _consistent_rows(f: h5py.File) -> tuple[int, int, int]:
     extents = [traj[n].shape[0] for n in _row_columns(f)] + [traj[o].shape[0] - 1 for o in OFFSETS.values()]
     rows = min([committed] + extents)
     for length_field, offsets_name in OFFSETS.items():  # flat arrays must cover the rows' slices
-        flat_len = min(traj[name].shape[0] for name, _, lf in RAGGED if lf == length_field)
+        flat_len = min(traj[name].shape[0] for name, _, lf in RAGGED if lf == length_field and name in traj)
         if int(traj[offsets_name][rows]) > flat_len:  # rare (a crash mid-append): search the offsets
             rows = int(np.searchsorted(traj[offsets_name][: rows + 1], flat_len, side="right")) - 1
     metric_rows = min(metric_committed, f["metrics/values"].shape[0])
@@ -518,9 +518,20 @@ def _reconcile(f: h5py.File, resume_step: int | None) -> dict:
     for length_field, offsets_name in OFFSETS.items():
         end = int(traj[offsets_name][rows])
         traj[offsets_name].resize((rows + 1,))
-        for name, _, lf in RAGGED:
-            if lf == length_field:
+        for name, dtype, lf in RAGGED:
+            if lf != length_field:
+                continue
+            if name in traj:
                 traj[name].resize((end,))
+            else:  # a ragged array newer than the log: zeros for the rows written before it
+                traj.create_dataset(
+                    name,
+                    data=np.zeros(end, dtype),
+                    maxshape=(None,),
+                    chunks=(TOKEN_CHUNK,),
+                    **_filters_like(traj["step"]),
+                )
+                report.setdefault("columns_added", []).append(f"/traj/{name}")
     values = f["metrics/values"]
     n_names = f["metrics/columns"].shape[0]
     values.resize((metric_rows, n_names))
@@ -611,7 +622,7 @@ def _salvageable(
     for length_field, offsets_name in OFFSETS.items():  # and its slice of the flat arrays
         offsets = traj[offsets_name][: ok + 1] if ok else np.zeros(1, np.int64)
         for name, _, lf in RAGGED:
-            if lf == length_field:
+            if lf == length_field and name in traj:  # (a log older than a ragged array lacks it)
                 end = int(offsets[ok])
                 good = limit(end, traj, name, end)
                 if good < end:
@@ -793,7 +804,10 @@ class TrajectoryReader:
         parts = {}
         for name, dtype, length_field in RAGGED:
             offsets = traj[OFFSETS[length_field]]
-            if contiguous:
+            if name not in traj:  # a log older than this array: zeros
+                ends = [(int(offsets[i]), int(offsets[i + 1])) for i in idx]
+                parts[name] = np.zeros(sum(b - a for a, b in ends), dtype)
+            elif contiguous:
                 parts[name] = traj[name][int(offsets[lo]) : int(offsets[hi])]
             else:
                 pieces = [traj[name][int(offsets[i]) : int(offsets[i + 1])] for i in idx]
@@ -805,6 +819,10 @@ class TrajectoryReader:
         """(offsets from 0, n+1 entries; flat values) of ragged array `name` for rows [lo, hi)."""
         length_field = {n: lf for n, _, lf in RAGGED}[name]
         offsets = self._f["traj"][OFFSETS[length_field]][lo : hi + 1]
+        if name not in self._f["traj"]:  # a log older than this array: zeros
+            return offsets - offsets[0], np.zeros(
+                int(offsets[-1] - offsets[0]), dict((n, d) for n, d, _ in RAGGED)[name]
+            )
         values = self._f["traj"][name][int(offsets[0]) : int(offsets[-1])]
         return offsets - offsets[0], values
 
@@ -965,7 +983,7 @@ def _copy_readable(reader: TrajectoryReader, dst: Path) -> None:
         for name, dtype, length_field in RAGGED:
             end = int(traj[OFFSETS[length_field]][rows]) if rows else 0
             ds = new.create_dataset(name, (0,), dtype, maxshape=(None,), chunks=(TOKEN_CHUNK,), **filters)
-            _copy_prefix(traj[name], ds, end)
+            _copy_prefix(traj[name] if name in traj else None, ds, end)
         for group, n in (("metrics", reader.metric_rows), ("eval", reader.eval_rows)):
             if group not in old:
                 continue
