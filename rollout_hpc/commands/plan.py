@@ -16,7 +16,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from rollout_hpc.commands import add_config_arguments, out
+from rollout_hpc.commands import add_config_arguments, err, out
 from rollout_hpc.config import load_config
 from rollout_hpc.errors import UserError
 from rollout_hpc.launch import rundir
@@ -69,6 +69,11 @@ def run(args: argparse.Namespace) -> int:
 def _profile(args, cfg) -> Profile:
     if args.profile:
         return Profile.load(args.profile)
+    if cfg.generator.gpus_per_task == 0 and cfg.trainer.gpus_per_task == 0 and not args.json:
+        err.print(
+            "plan: no --profile, so the costs are the roofline model's GPU figures (docs/scale.md), but this config "
+            "runs on CPUs; measure it instead: rollout-hpc profile CONFIG --out P.json, then plan --profile P.json"
+        )
     hw = Hardware(gpus_per_node=cfg.slurm.gpus_per_node)
     return roofline_profile(cfg, hw, params=args.params)
 
