@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -79,15 +80,6 @@ def flat_tensors(state: dict) -> dict[str, torch.Tensor]:
     return flat
 
 
-def best_of(n: int, fn) -> float:
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
 def bench_checkpoint(state: dict, work: Path, repeats: int) -> dict:
     size = nbytes(state)
     flat = flat_tensors(state)
@@ -135,21 +127,34 @@ def bench_checkpoint(state: dict, work: Path, repeats: int) -> dict:
         "torch_save": (lambda: torch_save(False), lambda: torch.load(work / "model.pt", weights_only=False)),
         "safetensors_durable": (st_save, st_load),
     }
-    for name, (save, load) in cases.items():
-        save_s = best_of(repeats, save)
-        load_s = best_of(repeats, load)
+    # One untimed warm-up round, then `repeats` rounds, each running every case in turn (rotated per round), so a
+    # busy moment of the machine falls on all of them alike; medians and the min-max spread are reported.
+    names = list(cases)
+    times: dict[str, dict[str, list[float]]] = {n: {"save": [], "load": []} for n in names}
+    for rnd in range(repeats + 1):
+        for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
+            for what, fn in zip(("save", "load"), cases[name]):
+                t = time.perf_counter()
+                fn()
+                if rnd:
+                    times[name][what].append(time.perf_counter() - t)
+    for name in names:
+        save_s, load_s = (statistics.median(times[name][w]) for w in ("save", "load"))
         results[name] = {
             "save_s": round(save_s, 3),
             "load_s": round(load_s, 3),
+            "save_s_spread": [round(min(times[name]["save"]), 3), round(max(times[name]["save"]), 3)],
+            "load_s_spread": [round(min(times[name]["load"]), 3), round(max(times[name]["load"]), 3)],
             "save_GBps": round(size / save_s / 1e9, 3),
             "load_GBps": round(size / load_s / 1e9, 3),
         }
         print(
-            f"{name:22s} save {save_s:6.2f} s ({size / save_s / 1e9:5.2f} GB/s)   "
-            f"load {load_s:6.2f} s ({size / load_s / 1e9:5.2f} GB/s)",
+            f"{name:22s} save {save_s:6.2f} s ({size / save_s / 1e9:5.2f} GB/s) [{min(times[name]['save']):.2f}-"
+            f"{max(times[name]['save']):.2f}]   load {load_s:6.2f} s ({size / load_s / 1e9:5.2f} GB/s)",
             flush=True,
         )
     ours = results["hdf5_rollout_hpc"]
+    ours["repeats"] = repeats
     for base in ("torch_save_durable", "torch_save", "safetensors_durable", "raw_disk"):
         b = results[base]
         ours[f"save_speedup_vs_{base}"] = round(b["save_s"] / ours["save_s"], 3)
@@ -185,7 +190,8 @@ def realistic_batches(
                 rng.zipf(1.3, total).clip(max=vocab - 1).astype(np.int32),  # token frequencies are Zipf-like
                 -np.abs(rng.normal(0, 1.5, total)).astype(np.float32),
                 np.ones(total, np.uint8),
-                np.zeros(per_step, np.int32),
+                np.zeros(per_step, np.int32),  # turn_starts: one turn at 0
+                np.zeros(per_step, np.float32),  # turn_rewards
             )
         )
     return out
@@ -249,6 +255,7 @@ def bench_trajlog(work: Path, n_steps: int, per_step: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="~256 MB state and a small log (under a minute)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds after the warm-up (median reported)")
     parser.add_argument("--dir", help="where to write (default: a temp dir; put it on the file system you care about)")
     args = parser.parse_args()
     hidden, layers = (512, 7) if args.quick else (1024, 7)
@@ -260,7 +267,7 @@ def main() -> None:
             f"({'quick mode: ~256 MB' if args.quick else 'full mode'}), files in {work}",
             flush=True,
         )
-        ckpt = bench_checkpoint(state, work, repeats=3)
+        ckpt = bench_checkpoint(state, work, repeats=args.repeats)
         del state
         log = bench_trajlog(work, n_steps=16 if args.quick else 100, per_step=256)
     finally:
