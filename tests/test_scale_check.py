@@ -1,4 +1,4 @@
-"""`rollout-hpc plan --check` against real runs: one profile predicts the mean step time of runs of other layouts
+"""`rollout-hpc plan --check` against real runs (the accuracy checks are marked `scalecheck`: `pytest -m scalecheck`): one profile predicts the mean step time of runs of other layouts
 within 25 %, under the local launcher (disaggregated and colocated, on-policy and async) and as het jobs on the
 real local Slurm cluster (generator and trainer groups of different sizes, on-policy and async).
 
@@ -106,6 +106,7 @@ def predicted_runs(layouts: dict[str, list[str]], run, profile: Path, cwd: Path)
     return results
 
 
+@pytest.mark.scalecheck
 def test_local_layouts_are_predicted_from_one_profile(tmp_path):
     config = write_config(tmp_path, "local")
     profile = tmp_path / "local.profile.json"
@@ -130,6 +131,7 @@ def test_local_layouts_are_predicted_from_one_profile(tmp_path):
 
 
 @pytest.mark.slurm
+@pytest.mark.scalecheck
 def test_slurm_het_jobs_are_predicted_from_one_profile(slurm_cluster, tmp_path):
     config = write_config(tmp_path, "slurm")
     profile = tmp_path / "slurm.profile.json"
