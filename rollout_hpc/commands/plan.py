@@ -1,8 +1,8 @@
 """rollout-hpc plan CONFIG --nodes N [--profile PROFILE.json]: which layout to run on N nodes, and what it will do.
 
 Every candidate layout (generator/trainer node split, colocated or disaggregated, max_staleness 0..K) is simulated
-from the profile (rollout_hpc.scale); the table is sorted by predicted throughput with allocation ends and node
-failures counted. Without --profile the costs come from the roofline model (model size and hardware figures).
+from the profile (rollout_hpc.scale); the table is sorted by predicted samples/s, with the throughput once
+allocation ends and node failures are counted beside it. Without --profile the costs come from the roofline model (model size and hardware figures).
 `plan --check RUN_DIR --profile P` predicts a finished run's own layout from the profile alone and compares it
 with the run's measured mean step time.
 """
@@ -154,7 +154,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Simulate CONFIG on N nodes for every candidate layout (generator/trainer split, colocated or "
         "disaggregated, max_staleness 0..K) from a profile of measured costs (`rollout-hpc profile`), or without "
         "one from the roofline model (model size, GPU and network figures: docs/scale.md), and print them sorted "
-        "by predicted samples/s including expected allocation ends and node failures, with the --set overrides "
+        "by predicted samples/s (and with expected allocation ends and node failures beside it), with the --set overrides "
         "of the best one. --check RUN_DIR compares a finished run with its prediction.",
         epilog="examples:\n  rollout-hpc profile my.yaml --out my.profile.json\n"
         "  rollout-hpc plan my.yaml --nodes 64 --profile my.profile.json\n"

@@ -74,13 +74,12 @@ def _splits(nodes: int) -> list[int]:
 
 
 def plan(profile: Profile, cfg, nodes: int, max_staleness: int = 2, steps: int | None = None, **assumptions):
-    """Every candidate layout on `nodes` nodes, simulated; best effective samples/s first."""
+    """Every candidate layout on `nodes` nodes, simulated; best predicted samples/s first."""
     shape = run_shape(cfg, steps, **assumptions)
     predictions = [simulate(profile, lay, shape) for lay in candidate_layouts(cfg, nodes, max_staleness)]
-    # Ties (a staleness the pipeline does not use) go to the fresher policy, then to fewer nodes.
-    return sorted(
-        predictions, key=lambda p: (-round(p.effective_samples_per_s, 6), p.layout.max_staleness, p.layout.nodes)
-    )
+    # Best predicted samples/s first; ties (a staleness the pipeline does not use) go to the fresher policy, then
+    # to fewer nodes. Each row also has effective_samples_per_s (with expected allocation ends and node failures).
+    return sorted(predictions, key=lambda p: (-round(p.samples_per_s, 6), p.layout.max_staleness, p.layout.nodes))
 
 
 def predict_run(profile: Profile, cfg, steps: int | None = None) -> Prediction:
