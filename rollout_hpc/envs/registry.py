@@ -166,6 +166,13 @@ def check_task(cfg) -> Any:
         raise TaskError(
             f"task.env sets how multi-turn episodes are played; '{cfg.task.name}' is single-turn (remove task.env)"
         )
+    # Multi-turn only (a single-turn task never waits on an environment, whatever run.hang_timeout is).
+    hang, step = cfg.run.hang_timeout, cfg.task.env.step_timeout
+    if is_multi_turn(task) and hang and step >= hang:  # a hung environment would look like a hung rank: job ends
+        raise TaskError(
+            f"task.env.step_timeout ({step:g} s) must be below run.hang_timeout ({hang:g} s): an environment that "
+            "hangs should end its episode, not the job; lower task.env.step_timeout or raise run.hang_timeout"
+        )
     if cfg.eval is not None:
         rows = eval_prompts(task, cfg.run.seed)
         if rows is None or len(rows) == 0:
