@@ -265,6 +265,88 @@ class TrainSource(ValSource):
     )
 
 
+class RewardModelSpec(_Section):
+    """One learned reward: a sequence classifier or an LLM judge, scored next to the rule reward (docs/rewards.md)."""
+
+    name: str = Field(description="Names the model in metrics and the log (letters, digits, _ . -).")
+    path: str = Field(
+        description="Local Hugging Face model directory (AutoModelForSequenceClassification or causal LM)."
+    )
+    kind: Literal["classifier", "judge"] = Field(
+        description="classifier: the model's logit scores (prompt, response); judge: a causal LM prompted with "
+        "`template` whose reply `pattern` parses into a score."
+    )
+    weight: float = Field(1.0, description="The score's weight in the sample's reward (after normalization).")
+    backend: Literal["hf", "vllm"] = Field("hf", description="hf (CPU or GPU, transformers); vllm (judge on GPUs).")
+    nodes: int = Field(
+        0, ge=0, description="0: scored in the generator ranks' processes; N > 0: a het group of N nodes of its own."
+    )
+    tasks_per_node: int = Field(1, ge=1, description="Reward ranks per node (nodes > 0).")
+    batch_size: int = Field(16, ge=1, description="Samples per forward pass.")
+    max_length: int = Field(1024, ge=8, description="Tokens of (prompt, response) it reads; longer: the start is cut.")
+    normalize: bool = Field(True, description="Scale by the running mean and std of its scores (state in checkpoints).")
+    domains: list[str] | None = Field(
+        None, description="A mixed dataset's sources it scores (default: all); others get no score from it."
+    )
+    positive_label: int | None = Field(
+        None, description="classifier with several labels: the label whose probability is the score (default: last)."
+    )
+    template: str | None = Field(
+        None, description="judge: the prompt, with {question}, {response} and {answer} (default: a 0-10 rating)."
+    )
+    pattern: str = Field(
+        r"\\boxed\{\s*([-+]?\d+(?:\.\d+)?)\s*\}",
+        description="judge: a regular expression whose first group is the score (default: \\boxed{N}).",
+    )
+    max_new_tokens: int = Field(16, ge=1, description="judge: tokens of its reply.")
+    parse_failure_score: float = Field(
+        0.0, description="judge: the raw score of a reply `pattern` does not match (counted as a parse failure)."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_filename_safe(cls, v: str) -> str:
+        if not _SOURCE_NAME.fullmatch(v):
+            raise ValueError(f"reward model name {v!r}: use 1-32 letters, digits, '_', '.' or '-'")
+        return v
+
+    @field_validator("pattern")
+    @classmethod
+    def _pattern_compiles(cls, v: str) -> str:
+        try:
+            groups = re.compile(v).groups
+        except re.error as exc:
+            raise ValueError(f"pattern {v!r} is not a regular expression: {exc}") from None
+        if groups < 1:
+            raise ValueError(f"pattern {v!r} has no group; put the score in one, e.g. 'Score: (\\d+)'")
+        return v
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> RewardModelSpec:
+        if self.kind == "classifier" and self.template is not None:
+            raise ValueError(f"{self.name}: template is for kind 'judge'; a classifier reads the chat as it is")
+        if self.kind == "judge" and self.positive_label is not None:
+            raise ValueError(f"{self.name}: positive_label is for kind 'classifier'")
+        return self
+
+
+class RewardsSection(_Section):
+    """Learned rewards next to the task's rule reward: reward = rule_weight x rule + sum of weight x score."""
+
+    rule_weight: float = Field(1.0, ge=0, description="Weight of the task's rule reward (0: the models alone).")
+    models: list[RewardModelSpec] = Field(default_factory=list, description="Reward models and LLM judges.")
+
+    @field_validator("models")
+    @classmethod
+    def _unique(cls, v: list[RewardModelSpec]) -> list[RewardModelSpec]:
+        names = [m.name for m in v]
+        if len(set(names)) != len(names):
+            raise ValueError(f"rewards.models: names must be unique, got {names}")
+        if len(v) > 8:
+            raise ValueError(f"rewards.models: at most 8 reward models, got {len(v)}")
+        return v
+
+
 def mixture_quotas(weights: list[float], prompts_per_step: int) -> list[int]:
     """Per-step prompts of each source: floor(w_k / sum(w) x P), the remainder to the last source."""
     total = sum(weights)
@@ -640,6 +722,7 @@ class Config(_Section):
     run: RunSection = Field(default_factory=RunSection)
     model: ModelSection = Field(default_factory=ModelSection)
     task: TaskSection = Field(default_factory=TaskSection)
+    rewards: RewardsSection = Field(default_factory=RewardsSection)
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
     generator: GeneratorSection = Field(default_factory=GeneratorSection)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
@@ -761,6 +844,33 @@ class Config(_Section):
                     f"of algorithm.prompts_per_step {P}; remove quota (it is derived)"
                 )
         self.task.params["train"] = [{**s.model_dump(exclude_none=True), "quota": q} for s, q in zip(sources, quotas)]
+        return self
+
+    @model_validator(mode="after")
+    def _reward_models(self) -> Config:
+        """Where each reward model runs, and which sources it scores."""
+        models = self.rewards.models
+        if not models:
+            if self.rewards.rule_weight == 0:
+                raise ValueError("rewards.rule_weight is 0 and rewards.models is empty: nothing would score a sample")
+            return self
+        known = [s["name"] for s in self.task.sources() or []]
+        for m in models:
+            if m.nodes > 0:
+                raise ValueError(
+                    f"rewards.models {m.name}: nodes {m.nodes}, a reward group of its own, is not available yet; set "
+                    "nodes: 0 to score in the generator ranks (on their devices)"
+                )
+            if m.backend == "vllm":
+                raise ValueError(
+                    f"rewards.models {m.name}: backend 'vllm' is not available for reward models yet; use backend: hf"
+                )
+            for d in m.domains or []:
+                if d not in known:
+                    raise ValueError(
+                        f"rewards.models {m.name}: domains names '{d}', which is not a source of task.params.train "
+                        f"({', '.join(known) or 'the task has no named sources'}); leave domains out to score every sample"
+                    )
         return self
 
     def _check_colocated(self) -> None:

@@ -8,7 +8,7 @@ record or a single MPI message and is read back as numpy views, never pickled.
 
 Buffer layout (little endian, every section 8-byte aligned):
 
-    header   magic b"RHTB", layout u32, n_records u32, 7 x u64 section sizes, 4 pad bytes (72 bytes)
+    header   magic b"RHTB", layout u32, n_records u32, 8 x u64 section sizes, 4 pad bytes (80 bytes)
     fixed    n_records x FIXED_DTYPE
     prompt_ids     int32  (sum of prompt_len)
     response_ids   int32  (sum of response_len)
@@ -16,13 +16,14 @@ Buffer layout (little endian, every section 8-byte aligned):
     loss_mask      uint8  (sum of response_len)   1 = token the policy chose (0 = environment text in multi-turn)
     turn_starts    int32  (sum of n_turns)        response offset where each turn begins
     turn_rewards   float32 (sum of n_turns)       the environment's reward for each turn (multi-turn; 0 otherwise)
+    reward_parts   float32 (sum of n_reward_parts) with rewards.models: the rule reward, then each model's raw score
 """
 
 from __future__ import annotations
 
 import itertools
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -31,7 +32,8 @@ MAGIC = b"RHTB"
 # new version: the record size is the same and a record from an older writer reads as domain 0, which is right for it;
 # so did episode_status, format_errors and success (an older record reads as single-turn).
 # 3: turn_rewards, a seventh section (the header grew to 72 bytes).
-LAYOUT_VERSION = 3
+# 4: reward_parts, an eighth section sized by n_reward_parts (a byte of `_pad`; the header grew to 80 bytes).
+LAYOUT_VERSION = 4
 
 FIXED_DTYPE = np.dtype(
     [
@@ -49,7 +51,8 @@ FIXED_DTYPE = np.dtype(
         ("episode_status", "u1"),  # 0 single-turn; multi-turn: EPISODE_OK, or how the environment failed
         ("format_errors", "u1"),  # multi-turn: turns whose reply the environment could not parse (at most 255)
         ("success", "u1"),  # multi-turn: the environment said the episode was solved (info success / solved)
-        ("_pad", "u1", (2,)),
+        ("n_reward_parts", "u1"),  # 0, or with rewards.models 1 + their number (rewards/mixing.py)
+        ("_pad", "u1", (1,)),
         ("t_start", "<f8"),  # wall clock (time.time()) when generation began
         ("t_end", "<f8"),  # when the reward was computed
     ]
@@ -64,6 +67,7 @@ RAGGED = (
     ("loss_mask", np.uint8, "response_len"),
     ("turn_starts", np.int32, "n_turns"),
     ("turn_rewards", np.float32, "n_turns"),
+    ("reward_parts", np.float32, "n_reward_parts"),
 )
 
 # reward_status values: the reward function returned a number / raised / ran past task.reward_timeout.
@@ -98,6 +102,8 @@ class TrajectoryBatch:
     loss_mask: np.ndarray
     turn_starts: np.ndarray
     turn_rewards: np.ndarray
+    # (a default: code that builds batches without rewards.models need not know of it; n_reward_parts is 0 then)
+    reward_parts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
 
     def __len__(self) -> int:
         return len(self.fixed)
@@ -110,7 +116,7 @@ class TrajectoryBatch:
     @classmethod
     def from_records(cls, records: list[dict]) -> TrajectoryBatch:
         """Build from dicts with fixed fields plus ragged lists (missing ragged = empty,
-        missing loss_mask = all ones, missing turn_starts = one turn at 0, missing turn_rewards = zeros)."""
+        missing loss_mask = all ones, missing turn_starts = one turn at 0, missing turn_rewards = zeros, missing reward_parts = none)."""
         given = {name for r in records for name in r}
         fixed = {name: [r.get(name, 0) for r in records] for name in FIXED_NAMES if name in given}
         return cls.from_columns(len(records), fixed, {name: [r.get(name) for r in records] for name, _, _ in RAGGED})
@@ -136,6 +142,7 @@ class TrajectoryBatch:
         mask = column("loss_mask", lambda i: np.ones(out["response_len"][i]))
         turns = column("turn_starts", lambda i: (0,))
         turn_rewards = column("turn_rewards", lambda i: np.zeros(len(turns[i])))
+        reward_parts = column("reward_parts", lambda i: ())
         for i in range(n):
             if not len(lp[i]) == len(mask[i]) == out["response_len"][i]:
                 raise ValueError(f"record {i}: logprobs, loss_mask and response_ids must have equal length")
@@ -143,9 +150,10 @@ class TrajectoryBatch:
                 raise ValueError(f"record {i}: turn_rewards and turn_starts must have equal length")
         out["prompt_len"] = [len(x) for x in prompt]
         out["n_turns"] = [len(x) for x in turns]
+        out["n_reward_parts"] = [len(x) for x in reward_parts]
         flat = [
             np.fromiter(itertools.chain.from_iterable(seqs), dt, count=sum(len(x) for x in seqs))
-            for (_, dt, _), seqs in zip(RAGGED, (prompt, resp, lp, mask, turns, turn_rewards))
+            for (_, dt, _), seqs in zip(RAGGED, (prompt, resp, lp, mask, turns, turn_rewards, reward_parts))
         ]
         return cls(out, *flat)
 

@@ -10,7 +10,6 @@ unknown target modules."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from test_export_model import cli, export
-from test_resume_local import Interruptible, weights_digest
+from test_resume_local import stop_and_resume, weights_digest
 from tiny_hf import make_tiny_qwen
 
 from rollout_hpc.config import load_config
@@ -149,16 +148,7 @@ def test_only_adapters_train_sync_and_checkpoint(reference, base):
 
 def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, reference, base):
     run_dir = tmp_path / "run"
-    run = Interruptible(
-        "submit", write_config(tmp_path, "lora-cut", base), "--local", "--run-dir", run_dir, cwd=tmp_path
-    )
-    run.wait_for_step(2)
-    run.proc.send_signal(signal.SIGUSR1)
-    assert run.finish() == 75, run.output[-3000:]
-    stopped = json.loads(cli("ckpt", run_dir, "--json", cwd=tmp_path).stdout)["step"]
-    assert 2 <= stopped < STEPS
-    done = cli("resume", run_dir, "--local", cwd=tmp_path)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    stop_and_resume(write_config(tmp_path, "lora-cut", base), run_dir, 2, tmp_path, steps=STEPS)
     assert weights_digest(run_dir) == weights_digest(reference)
 
 

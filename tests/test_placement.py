@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 from types import SimpleNamespace
 
 import pytest
-from test_resume_local import STEPS, Interruptible, assert_exactly_once, cli, weights_digest, write_run_config
+from test_resume_local import STEPS, assert_exactly_once, cli, stop_and_resume, weights_digest, write_run_config
 
 from rollout_hpc.config import ConfigError, load_config
 from rollout_hpc.launch.local import mpirun_command
@@ -29,14 +28,7 @@ def test_a_colocated_run_resumed_after_a_stop_matches_one_never_stopped(tmp_path
     assert manifest["local_command"].count("ROLLOUT_NODE=node0") == 2  # both groups on the one node
 
     cut = tmp_path / "cut"
-    run = Interruptible(
-        "submit", write_run_config(tmp_path, "cut", extra=COLOCATED), "--local", "--run-dir", cut, cwd=tmp_path
-    )
-    run.wait_for_step(2)
-    run.proc.send_signal(signal.SIGUSR1)
-    assert run.finish() == 75, run.output[-3000:]
-    done = cli("resume", cut, "--local", cwd=tmp_path)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    stop_and_resume(write_run_config(tmp_path, "cut", extra=COLOCATED), cut, 2, tmp_path)
     assert weights_digest(cut) == weights_digest(whole)
     assert_exactly_once(cut, STEPS)
 

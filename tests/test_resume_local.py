@@ -104,6 +104,20 @@ class Interruptible:
         return "".join(self.lines)
 
 
+def stop_and_resume(config: Path, run_dir: Path, at_step: int, cwd: Path, steps: int = STEPS) -> int:
+    """`submit --local` of `config`, SIGUSR1 once step `at_step` is printed (checkpoint, exit 75), then `resume
+    --local` to the end; returns the step the stop checkpointed."""
+    run = Interruptible("submit", config, "--local", "--run-dir", run_dir, cwd=cwd)
+    run.wait_for_step(at_step)
+    run.proc.send_signal(signal.SIGUSR1)
+    assert run.finish() == 75, run.output[-3000:]
+    stopped = json.loads(cli("ckpt", run_dir, "--json", cwd=cwd).stdout)["step"]
+    assert at_step <= stopped < steps
+    done = cli("resume", run_dir, "--local", cwd=cwd)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return stopped
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     """The same run, never interrupted."""

@@ -271,6 +271,30 @@ def domains_figure(a: RunAnalysis, fig, ax) -> None:
     _legend(ax)
 
 
+@_figure(
+    "Reward models (raw scores)",
+    shows=lambda a: bool(a.summary.get("reward_models")),
+    missing="rewards.models",
+    ylabel="mean score ± std",
+)
+def reward_models_figure(a: RunAnalysis, fig, ax) -> None:
+    """Each reward model's mean raw score per step with a ±std band; judge replies that did not parse on a second
+    axis (where there are any)."""
+    models = a.summary["reward_models"]
+    failures = None
+    for i, (name, d) in enumerate(models.items()):
+        step, mean, std = (np.asarray(d[k], np.float64) for k in ("step", "mean", "std"))
+        ax.plot(step, mean, color=f"C{i}", label=name)
+        ax.fill_between(step, mean - std, mean + std, color=f"C{i}", alpha=0.15)
+        if d["parse_failures_total"]:
+            failures = failures or ax.twinx()
+            failures.plot(step, d["parse_failures"], color=f"C{i}", linestyle=":", label=f"{name} unparsed replies")
+            failures.set_ylabel("unparsed judge replies")
+    _legend(ax)
+    if failures is not None:
+        _legend(failures)
+
+
 FIGURES: dict[str, Callable[[RunAnalysis], plt.Figure]] = {
     "reward": reward_figure,
     "response_length": length_figure,
@@ -280,6 +304,7 @@ FIGURES: dict[str, Callable[[RunAnalysis], plt.Figure]] = {
     "time_breakdown": time_figure,
     "eval": eval_figure,
     "domains": domains_figure,
+    "reward_models": reward_models_figure,
 }
 
 

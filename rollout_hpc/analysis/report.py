@@ -45,6 +45,10 @@ _TEMPLATE = jinja2.Environment(autoescape=True).from_string("""<!DOCTYPE html>
 <table><tr><th>source</th><th>samples</th><th>reward, first step</th><th>reward, last step</th><th>mean reward</th>
 <th>last eval accuracy</th></tr>
 {% for row in domain_rows %}<tr>{% for v in row %}<td class="num">{{ v }}</td>{% endfor %}</tr>{% endfor %}</table>
+{% endif %}{% if rm_rows %}<h2>Reward models</h2>
+<table><tr><th>model</th><th>samples scored</th><th>mean score, first step</th><th>mean score, last step</th>
+<th>unparsed judge replies</th></tr>
+{% for row in rm_rows %}<tr>{% for v in row %}<td class="num">{{ v }}</td>{% endfor %}</tr>{% endfor %}</table>
 {% endif %}<h2>Configuration</h2>
 {% if config_text is none %}<p>no config.resolved.yaml beside this log</p>{% else %}
 <table>{% for key, value in hyperparameters %}<tr><th>{{ key }}</th><td>{{ value }}</td></tr>{% endfor %}</table>
@@ -67,7 +71,7 @@ def _fmt(value) -> str:
 def _flatten(summary: dict, prefix: str = "") -> list[tuple[str, str]]:
     rows = []
     for key, value in summary.items():
-        if key in ("warnings", "log", "eval", "domains"):  # the eval and source tables have their own sections
+        if key in ("warnings", "log", "eval", "domains", "reward_models"):  # tables of their own below
             continue
         if isinstance(value, dict) and key != "histogram":
             rows += _flatten(value, f"{prefix}{key}.")
@@ -105,6 +109,20 @@ def _domain_rows(domains: dict) -> list[list[str]]:
     return rows
 
 
+def _reward_model_rows(models: dict) -> list[list[str]]:
+    """One row per reward model: samples scored, mean raw score at the first and last step, unparsed replies."""
+    return [
+        [
+            name,
+            _fmt(sum(d["scored"])),
+            _fmt(d["mean"][0]) if d["mean"] else "n/a",
+            _fmt(d["mean"][-1]) if d["mean"] else "n/a",
+            _fmt(d["parse_failures_total"]),
+        ]
+        for name, d in models.items()
+    ]
+
+
 def _hyperparameters(config: dict | None) -> list[tuple[str, str]]:
     """The algorithm section's keys (the hyperparameters) and the model, each as (dotted key, value)."""
     if not config:
@@ -139,6 +157,7 @@ def write_report(run_dir_or_log: str | Path, out: str | Path | None = None, samp
             samples=sections,
             sample_step=step,
             domain_rows=_domain_rows(analysis.domains),
+            rm_rows=_reward_model_rows(analysis.summary.get("reward_models") or {}),
             config_text=config_text(path.parent),
             hyperparameters=_hyperparameters(resolved_config(path.parent)),
             **dict(zip(("eval_names", "eval_rows"), _eval_table(analysis.eval))),

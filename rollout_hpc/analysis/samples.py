@@ -89,7 +89,9 @@ def select_rows(
 
 
 def load_samples(reader: TrajectoryReader, rows: np.ndarray) -> list[dict]:
-    sources = list(read_meta(reader).get("domains") or [])  # a mixed dataset's source names, by record `domain`
+    meta = read_meta(reader)
+    sources = list(meta.get("domains") or [])  # a mixed dataset's source names, by record `domain`
+    models = list(meta.get("reward_models") or [])  # what reward_parts 1.. are
     out = []
     for row in rows:
         record = reader.batch([int(row)]).record(0)
@@ -98,6 +100,8 @@ def load_samples(reader: TrajectoryReader, rows: np.ndarray) -> list[dict]:
         record["staleness"] = int(reader.column("staleness", int(row), int(row) + 1)[0])
         if len(sources) > 1 and int(record["domain"]) < len(sources):
             record["source"] = sources[int(record["domain"])]
+        if models:
+            record["reward_models"] = models
         out.append(record)
     return out
 
@@ -138,6 +142,11 @@ def render_sample(s: dict, decode: Decode | None, answer: Answer | None = None) 
         f"policy v{s['policy_version']} (staleness {s['staleness']})  {s['response_len']} response tokens{flags}",
         f"  prompt: {_text(s['prompt_ids'], decode)}",
     ]
+    parts = s.get("reward_parts", ())
+    if len(parts):  # rewards.models: the rule reward and each model's raw score
+        names = ["rule", *s.get("reward_models", [f"model {k}" for k in range(1, len(parts))])]
+        shown = [f"{n} {'unparsed' if np.isnan(v) else f'{float(v):.4g}'}" for n, v in zip(names, parts)]
+        lines.append(f"  reward parts: {', '.join(shown)}")
     reference = answer(s["prompt_id"]) if answer is not None else None
     if reference is not None:
         lines.append(f"  reference answer: {reference}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rich.console import Console
@@ -245,6 +246,7 @@ def analyze_run(run_dir_or_log: str | Path, chunk_rows: int = CHUNK_ROWS) -> Run
     # algorithm.kl_coef 0: no reference model, and the logged KL is only estimator noise (None: no config here)
     analysis.summary["kl_coef"] = ((resolved_config(run_dir) or {}).get("algorithm") or {}).get("kl_coef")
     analysis.summary["episodes"] = _episode_series(episodes)
+    analysis.summary["reward_models"] = reward_model_series(table)
     analysis.domains = _domain_series(names, by_domain, evals)
     analysis.summary["domains"] = {
         name: {
@@ -254,6 +256,29 @@ def analyze_run(run_dir_or_log: str | Path, chunk_rows: int = CHUNK_ROWS) -> Run
         for name, d in analysis.domains.items()
     }
     return analysis
+
+
+RM_FIELDS = ("mean", "std", "parse_failures", "scored")
+
+
+def reward_model_series(table: dict[str, np.ndarray]) -> dict[str, dict[str, list]]:
+    """Per reward model (metrics rm/<name>/<field>): per step its mean and std raw score, the judge replies that did
+    not parse and the samples it scored ({} for a run without rewards.models). A replayed step keeps its last row."""
+    names = [k[3:-5] for k in table if k.startswith("rm/") and k.endswith("/mean")]
+    steps = table.get("step", np.zeros(0)).astype(np.int64)
+    last = {int(s): i for i, s in enumerate(steps)}  # step -> its last row
+    rows = np.array([last[s] for s in sorted(last)], np.int64)
+    out = {}
+    for name in names:
+        cols = {f: table.get(f"rm/{name}/{f}") for f in RM_FIELDS}
+        mine = rows[~np.isnan(cols["scored"][rows])] if cols["scored"] is not None else rows
+        series: dict[str, Any] = {"step": [int(s) for s in steps[mine]]}
+        for f, col in cols.items():
+            values = col[mine] if col is not None else np.full(len(mine), np.nan)
+            series[f] = [int(v) for v in values] if f in ("parse_failures", "scored") else [float(v) for v in values]
+        series["parse_failures_total"] = int(sum(series["parse_failures"]))
+        out[name] = series
+    return out
 
 
 def _add_episodes(acc: _StepAccumulator, steps: np.ndarray, chunk: dict[str, np.ndarray]) -> None:

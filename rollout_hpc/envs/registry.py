@@ -7,6 +7,7 @@ from typing import Any
 from rollout_hpc.errors import TaskError
 from rollout_hpc.plugins import PluginError, checked_reward_fn, is_plugin_spec, load_plugin
 from rollout_hpc.rewards import CODE_PARAMS, builtin_reward, is_builtin_reward
+from rollout_hpc.rewards.reward_models import check_reward_model
 
 from .arithmetic import ArithmeticTask
 from .base import is_multi_turn
@@ -173,6 +174,13 @@ def check_task(cfg) -> Any:
             f"task.env.step_timeout ({step:g} s) must be below run.hang_timeout ({hang:g} s): an environment that "
             "hangs should end its episode, not the job; lower task.env.step_timeout or raise run.hang_timeout"
         )
+    if cfg.rewards.models and is_multi_turn(task):
+        raise TaskError(
+            f"rewards.models score single-turn samples; '{cfg.task.name}' is multi-turn (its environment gives the "
+            "reward): remove rewards.models, or score episodes in the environment's step()"
+        )
+    for spec in cfg.rewards.models:
+        check_reward_model(spec)
     if cfg.eval is not None:
         rows = eval_prompts(task, cfg.run.seed)
         if rows is None or len(rows) == 0:

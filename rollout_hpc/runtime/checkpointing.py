@@ -46,8 +46,12 @@ def stop_signalled() -> bool:
 
 
 class Checkpointer:
-    def __init__(self, world, cfg, run_dir: Path):
+    """`extras`: {key: object with state_dict() / load_state_dict(state)} saved beside the trainer's state (equal on
+    every trainer rank: the reward models' normalization)."""
+
+    def __init__(self, world, cfg, run_dir: Path, extras: dict | None = None):
         self.world = world
+        self.extras = dict(extras or {})
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.stop_requested = False
@@ -76,6 +80,8 @@ class Checkpointer:
         # and sample k of prompt i is seeded from (run.seed, i, k), so nothing else is needed to continue as if
         # never stopped (dynamic sampling's refill rounds are replayed from the same rewards).
         state["loop"] = {"step": steps_done, "policy_version": steps_done}
+        for key, obj in self.extras.items():
+            state[key] = obj.state_dict()
         meta = {**store.config_meta(self.cfg), "policy_version": steps_done, "backend": self.cfg.trainer.backend}
         keep = self.cfg.checkpoint.keep_last
         path = None
@@ -121,6 +127,9 @@ class Checkpointer:
             found = g.bcast(found, root=0)
         assert found is not None  # step is not None: every rank has the checkpoint (shards: all or none)
         trainer.load_checkpoint_state(found[1])
+        for key, obj in self.extras.items():
+            if key in found[1]:  # a checkpoint from before the object existed: it starts fresh
+                obj.load_state_dict(found[1][key])
         if self.world.group_rank == 0:
             print(f"rollout-hpc: resumed from {found[0]} (after step {step})", file=sys.stderr, flush=True)
         return step

@@ -33,6 +33,7 @@ from rollout_hpc.exchange.weights import SyncClosed
 from rollout_hpc.rewards import REWARD_ERROR, REWARD_OK, RewardPool
 from rollout_hpc.runtime import watchdog
 from rollout_hpc.runtime.evaluation import EvalSchedule, Evaluator
+from rollout_hpc.runtime.model_rewards import ModelScorer
 from rollout_hpc.runtime.step_plan import Informative, StepPlan, informative_groups, rank_share
 
 
@@ -49,8 +50,9 @@ class RewardWorkers:
 
     ERROR_STREAK_FATAL = 64  # rewards in a row that raised: the reward is broken, not one odd sample
 
-    def __init__(self, exchange, pool) -> None:
+    def __init__(self, exchange, pool, models=None) -> None:
         self.exchange, self.pool = exchange, pool
+        self.models = models  # runtime.model_rewards.ModelScorer (rewards.models), scored after the rule reward
         self.error_streak = 0
         self.lock = threading.Lock()  # one caller of the pool at a time (sender thread, eval, refills)
         self.queue: queue.Queue = queue.Queue(maxsize=4)  # bound the work in flight
@@ -77,6 +79,8 @@ class RewardWorkers:
         results = self.score(list(zip(keys, texts)))
         batch.fixed["reward"] = [r.value for r in results]
         batch.fixed["reward_status"] = [r.status for r in results]
+        if self.models is not None:
+            batch = self.models.apply(batch, keys, texts)
         batch.fixed["t_end"] = time.time()
         return batch
 
@@ -213,7 +217,8 @@ def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights
     dataset = task.prompts(cfg.run.seed)
     gen = make_generator(cfg, model, tokenizer, task)
     multi_turn = is_multi_turn(task)
-    workers = None if multi_turn else RewardWorkers(exchange, reward_pool(cfg, task, run_dir))
+    models = ModelScorer(cfg, dataset) if cfg.rewards.models and not multi_turn else None
+    workers = None if multi_turn else RewardWorkers(exchange, reward_pool(cfg, task, run_dir), models)
     evaluator = make_evaluator(world, cfg, gen, task, workers, eval_comm) if cfg.eval and eval_comm else None
 
     # The trainers publish the weights they start from; its version is the first step to generate.

@@ -109,6 +109,20 @@ def _no_negative_zero(text: str) -> str:
     return text[1:] if text.startswith("-") and not text.strip("-0.e+s") else text
 
 
+def _reward_model_fields(m: dict[str, float]) -> list[str]:
+    """ "rm helpful 0.42" per reward model (its mean raw score), with its parse failures when there are any."""
+    out = []
+    for key, value in m.items():
+        if key.startswith("rm/") and key.endswith("/mean"):
+            name = key[3:-5]
+            text = f"rm {name} {'n/a' if np.isnan(value) else f'{value:.3f}'}"  # n/a: no reply parsed
+            failures = m.get(f"rm/{name}/parse_failures", 0.0)
+            if failures:
+                text += f" ({failures:.0f} unparsed)"
+            out.append(text)
+    return out
+
+
 def progress_line(step: int, steps: int, m: dict[str, float]) -> str:
     parts = [f"step {step + 1}/{steps}"]
     for key, label, fmt in _LINE:
@@ -119,6 +133,7 @@ def progress_line(step: int, steps: int, m: dict[str, float]) -> str:
                 per_domain = [f"{k.partition('/')[2]} {v:.3f}" for k, v in m.items() if k.startswith("reward_mean/")]
                 if per_domain:  # "reward 0.42 ±0.31 (math 0.50 code 0.17)"
                     parts[-1] += f" ({' '.join(per_domain)})"
+                parts.extend(_reward_model_fields(m))
             else:
                 parts.append(f"{label} {value}")
     return "  ".join(parts)
@@ -140,6 +155,7 @@ class MetricsSink:
             "algorithm": cfg.algorithm.name,
             "config_digest": cfg.digest(),
             "domains": domain_names(cfg),  # a mixed dataset's sources: record field `domain` indexes this list
+            "reward_models": [m.name for m in cfg.rewards.models],  # reward_parts 1.. of each record, in order
         }
         self.domains = meta["domains"] if len(meta["domains"]) > 1 else []
         # Steps logged after the checkpoint we start from were lost with the old allocation and

@@ -25,6 +25,7 @@ from rollout_hpc.runtime import checkpointing, objective, records, sft, step_pla
 from rollout_hpc.runtime.critic import Critic, PolicyAndCritic
 from rollout_hpc.runtime.evaluation import EvalReceiver, eval_points
 from rollout_hpc.runtime.metrics import MetricsSink, batch_metrics
+from rollout_hpc.runtime.model_rewards import ModelRewardNorm
 from rollout_hpc.runtime.step_plan import StepPlan, informative_groups
 from rollout_hpc.runtime.trackers import attach_trackers
 from rollout_hpc.runtime.world import abort_world, sleeping_barrier
@@ -222,7 +223,9 @@ def run_trainer(
 ) -> int:
     a = cfg.algorithm
     trainer, reference, critic, loss_fn = build_learner(cfg, model, world)
-    ckpt = checkpointing.Checkpointer(world, cfg, run_dir)
+    reward_norm = ModelRewardNorm(cfg) if cfg.rewards.models else None  # its statistics are checkpointed
+    extras = {ModelRewardNorm.CHECKPOINT_KEY: reward_norm} if reward_norm else {}
+    ckpt = checkpointing.Checkpointer(world, cfg, run_dir, extras=extras)
     checkpointed = PolicyAndCritic(trainer, critic) if critic else trainer
     start = ckpt.resume(checkpointed)  # 0 for a fresh run
     is_logger = world.group_rank == 0
@@ -270,6 +273,8 @@ def run_trainer(
             records.check_staleness(batch, step, cfg.exchange.max_staleness)
 
             stats = {"generation_rounds": float(plan.rounds)} if plan.max_rounds > 1 else {}
+            if reward_norm is not None:  # rule + normalized model scores (every trainer rank: the same batch)
+                stats.update(reward_norm.apply(batch))
             adv_stats, update_stats = learn(cfg, world, trainer, reference, critic, loss_fn, batch)
             stats.update(update_stats)
             t_trained = time.perf_counter()

@@ -58,7 +58,13 @@ LOG_NAME = "trajectories.h5"
 ROW_COLUMNS = [n for n in FIXED_NAMES if not n.startswith("_")] + ["step", "staleness"]
 _ROW_DTYPES = {**{n: FIXED_DTYPE[n] for n in ROW_COLUMNS[:-2]}, "step": np.dtype("<i8"), "staleness": np.dtype("<i8")}
 # ragged array -> its offsets dataset (one offsets dataset per length field)
-OFFSETS = {"prompt_len": "prompt_offsets", "response_len": "response_offsets", "n_turns": "turn_offsets"}
+# (a log older than a length field lacks its offsets: every row written then had none of those entries)
+OFFSETS = {
+    "prompt_len": "prompt_offsets",
+    "response_len": "response_offsets",
+    "n_turns": "turn_offsets",
+    "n_reward_parts": "reward_part_offsets",
+}
 STANDARD_METRICS = (
     "step",
     "time",
@@ -438,6 +444,11 @@ def _dedupe_by_step(values: np.ndarray) -> np.ndarray:
     return values[np.argsort(values[:, 0], kind="stable")]
 
 
+def _offsets_present(f: h5py.File) -> list[str]:
+    """The offsets datasets this log has (see OFFSETS)."""
+    return [o for o in OFFSETS.values() if o in f["traj"]]
+
+
 def _row_columns(f: h5py.File) -> list[str]:
     """The per-row columns this log has (a log written before a FIXED_DTYPE field existed lacks it)."""
     traj = f["traj"]
@@ -461,9 +472,11 @@ def _consistent_rows(f: h5py.File) -> tuple[int, int, int]:
     """(rows every dataset agrees on, most rows any dataset holds, committed metric rows)."""
     traj = f["traj"]
     committed, metric_committed = (int(x) for x in f["progress"][:2])
-    extents = [traj[n].shape[0] for n in _row_columns(f)] + [traj[o].shape[0] - 1 for o in OFFSETS.values()]
+    extents = [traj[n].shape[0] for n in _row_columns(f)] + [traj[o].shape[0] - 1 for o in _offsets_present(f)]
     rows = min([committed] + extents)
     for length_field, offsets_name in OFFSETS.items():  # flat arrays must cover the rows' slices
+        if offsets_name not in traj:
+            continue
         flat_len = min(traj[name].shape[0] for name, _, lf in RAGGED if lf == length_field and name in traj)
         if int(traj[offsets_name][rows]) > flat_len:  # rare (a crash mid-append): search the offsets
             rows = int(np.searchsorted(traj[offsets_name][: rows + 1], flat_len, side="right")) - 1
@@ -516,6 +529,15 @@ def _reconcile(f: h5py.File, resume_step: int | None) -> dict:
     if added:
         report["columns_added"] = [f"/traj/{name}" for name in added]
     for length_field, offsets_name in OFFSETS.items():
+        if offsets_name not in traj:  # a length field newer than the log: the rows written before it have none
+            traj.create_dataset(
+                offsets_name,
+                data=np.zeros(rows + 1, np.int64),
+                maxshape=(None,),
+                chunks=(ROW_CHUNK,),
+                **_filters_like(traj["step"]),
+            )
+            report.setdefault("columns_added", []).append(f"/traj/{offsets_name}")
         end = int(traj[offsets_name][rows])
         traj[offsets_name].resize((rows + 1,))
         for name, dtype, lf in RAGGED:
@@ -588,7 +610,7 @@ def _extent_rows(f: h5py.File) -> tuple[int, int, int]:
     """_consistent_rows without reading the offsets (one of them is damaged)."""
     traj = f["traj"]
     committed, metric_committed = (int(x) for x in f["progress"][:2])
-    extents = [traj[n].shape[0] for n in _row_columns(f)] + [traj[o].shape[0] - 1 for o in OFFSETS.values()]
+    extents = [traj[n].shape[0] for n in _row_columns(f)] + [traj[o].shape[0] - 1 for o in _offsets_present(f)]
     return min([committed] + extents), max(extents + [committed]), min(metric_committed, f["metrics/values"].shape[0])
 
 
@@ -617,9 +639,11 @@ def _salvageable(
     ok = rows
     for name in _row_columns(f):
         ok = limit(ok, traj, name, rows)
-    for offsets_name in OFFSETS.values():  # row r needs offsets r and r + 1
+    for offsets_name in _offsets_present(f):  # row r needs offsets r and r + 1
         ok = max(0, limit(ok + 1, traj, offsets_name, rows + 1) - 1)
     for length_field, offsets_name in OFFSETS.items():  # and its slice of the flat arrays
+        if offsets_name not in traj:
+            continue
         offsets = traj[offsets_name][: ok + 1] if ok else np.zeros(1, np.int64)
         for name, _, lf in RAGGED:
             if lf == length_field and name in traj:  # (a log older than a ragged array lacks it)
@@ -803,6 +827,9 @@ class TrajectoryReader:
             fixed[name] = traj[name][lo:hi] if contiguous else np.array([traj[name][i] for i in idx], FIXED_DTYPE[name])
         parts = {}
         for name, dtype, length_field in RAGGED:
+            if OFFSETS[length_field] not in traj:  # a log older than its length field: no entries
+                parts[name] = np.zeros(0, dtype)
+                continue
             offsets = traj[OFFSETS[length_field]]
             if name not in traj:  # a log older than this array: zeros
                 ends = [(int(offsets[i]), int(offsets[i + 1])) for i in idx]
@@ -818,6 +845,8 @@ class TrajectoryReader:
     def ragged_chunk(self, name: str, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """(offsets from 0, n+1 entries; flat values) of ragged array `name` for rows [lo, hi)."""
         length_field = {n: lf for n, _, lf in RAGGED}[name]
+        if OFFSETS[length_field] not in self._f["traj"]:  # a log older than its length field: no entries
+            return np.zeros(hi - lo + 1, np.int64), np.zeros(0, dict((n, d) for n, d, _ in RAGGED)[name])
         offsets = self._f["traj"][OFFSETS[length_field]][lo : hi + 1]
         if name not in self._f["traj"]:  # a log older than this array: zeros
             return offsets - offsets[0], np.zeros(
@@ -979,9 +1008,10 @@ def _copy_readable(reader: TrajectoryReader, dst: Path) -> None:
             ds = new.create_dataset(
                 offsets_name, data=np.zeros(1, np.int64), maxshape=(None,), chunks=(ROW_CHUNK,), **filters
             )
-            _copy_prefix(traj[offsets_name], ds, rows + 1, start=1)
+            _copy_prefix(traj[offsets_name] if offsets_name in traj else None, ds, rows + 1, start=1)
         for name, dtype, length_field in RAGGED:
-            end = int(traj[OFFSETS[length_field]][rows]) if rows else 0
+            offsets_name = OFFSETS[length_field]
+            end = int(traj[offsets_name][rows]) if rows and offsets_name in traj else 0
             ds = new.create_dataset(name, (0,), dtype, maxshape=(None,), chunks=(TOKEN_CHUNK,), **filters)
             _copy_prefix(traj[name] if name in traj else None, ds, end)
         for group, n in (("metrics", reader.metric_rows), ("eval", reader.eval_rows)):

@@ -1,0 +1,94 @@
+"""A run with reward models in the generator ranks (rewards.models, nodes: 0), under the local launcher (real mpirun
+ranks): a tiny classifier and a tiny judge made here score every sample next to the rule reward; the log's rewards
+are the rule reward plus the normalized scores, recomputed here from the logged parts; the analysis tools show
+each model; a run stopped with SIGUSR1 and resumed ends with the weights of one never stopped (the normalization's
+statistics are in the checkpoint), every sample trained once."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from test_resume_local import STEPS, assert_exactly_once, cli, stop_and_resume, weights_digest, write_run_config
+from tiny_hf import make_tiny_judge, make_tiny_reward_classifier
+
+from rollout_hpc.config import load_config
+from rollout_hpc.rewards.mixing import RewardMix, RunningNorm
+from rollout_hpc.store.trajlog import TrajectoryReader
+
+SAMPLES_PER_STEP = 8  # test_resume_local: PROMPTS x GROUP
+
+
+@pytest.fixture(scope="module")
+def rewards_yaml(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("rms")
+    classifier = make_tiny_reward_classifier(root / "classifier", seed=3)
+    judge = make_tiny_judge(root / "judge", says="7")
+    # The judge's replies ("7777...") never match the default \boxed{N} pattern: every one is a parse failure,
+    # scored parse_failure_score.
+    return f"""
+rewards:
+  rule_weight: 1.0
+  models:
+    - {{name: helpful, path: {classifier}, kind: classifier, weight: 0.5, batch_size: 3}}
+    - {{name: judge, path: {judge}, kind: judge, weight: 0.25, normalize: false, parse_failure_score: 2.0,
+        max_new_tokens: 4}}
+"""
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory, rewards_yaml):
+    tmp = tmp_path_factory.mktemp("whole")
+    done = cli("submit", write_run_config(tmp, "whole", extra=rewards_yaml), "--local", "--run-dir", tmp / "w", cwd=tmp)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return tmp / "w", done.stdout
+
+
+def test_the_logged_reward_is_the_rule_plus_the_normalized_scores(whole):
+    run_dir, stdout = whole
+    assert "rm helpful " in stdout and "rm judge n/a (8 unparsed)" in stdout  # the progress line
+    cfg = load_config(run_dir / "config.resolved.yaml")
+    mix, norm = RewardMix(cfg.rewards, []), RunningNorm(["helpful", "judge"])
+    with TrajectoryReader(run_dir) as r:
+        batch = r.batch(slice(0, r.rows))
+        steps = r.column("step")
+    assert (batch.fixed["n_reward_parts"] == 3).all()
+    parts = batch.reward_parts.reshape(len(batch), 3).astype(np.float64)
+    assert np.isnan(parts[:, 2]).all()  # every judge reply unparsed
+    assert len(np.unique(parts[:, 1])) > SAMPLES_PER_STEP  # the classifier tells responses apart
+    expect = np.concatenate(
+        [mix.reward(parts[steps == s], batch.fixed["domain"][steps == s], norm) for s in range(STEPS)]
+    )
+    order = np.argsort(steps, kind="stable")
+    np.testing.assert_allclose(batch.fixed["reward"][order], expect, rtol=1e-5, atol=1e-6)
+    rule = parts[:, 0]
+    assert not np.allclose(batch.fixed["reward"], rule)  # the models count
+
+
+def test_the_analysis_tools_show_each_model(whole, tmp_path):
+    run_dir, _ = whole
+    done = cli("analyze", run_dir, "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    models = json.loads(done.stdout)["reward_models"]
+    assert set(models) == {"helpful", "judge"}
+    assert models["helpful"]["step"] == list(range(STEPS))
+    assert models["helpful"]["scored"] == [SAMPLES_PER_STEP] * STEPS and models["helpful"]["parse_failures_total"] == 0
+    assert all(np.isfinite(models["helpful"]["mean"])) and all(s > 0 for s in models["helpful"]["std"])
+    assert models["judge"]["parse_failures"] == [SAMPLES_PER_STEP] * STEPS
+    samples = cli("samples", run_dir, "--step", str(STEPS - 1), "--best", "1", cwd=tmp_path)
+    assert samples.returncode == 0, samples.stderr
+    assert "reward parts: rule " in samples.stdout and ", judge unparsed" in samples.stdout
+    report = cli("report", run_dir, "--out", tmp_path / "r.html", cwd=tmp_path)
+    assert report.returncode == 0, report.stderr
+    html = (tmp_path / "r.html").read_text()
+    assert "<h2>Reward models</h2>" in html and f'<td class="num">{SAMPLES_PER_STEP * STEPS}</td>' in html
+
+
+def test_a_run_with_reward_models_resumed_after_a_stop_matches_one_never_stopped(whole, rewards_yaml, tmp_path):
+    cut = tmp_path / "cut"
+    stop_and_resume(write_run_config(tmp_path, "cut", extra=rewards_yaml), cut, 4, tmp_path)
+    assert weights_digest(cut) == weights_digest(whole[0])
+    assert_exactly_once(cut, STEPS)
+    with TrajectoryReader(cut) as a, TrajectoryReader(whole[0]) as b:
+        np.testing.assert_array_equal(np.sort(a.column("reward")), np.sort(b.column("reward")))
