@@ -83,7 +83,8 @@ class Ring:
     def pop(self, timeout: float | None = None) -> bytes: ...
     def try_pop(self) -> bytes | None: ...
     def pop_many(self, max_n: int, timeout: float | None = None) -> list[bytes]:
-        """Waits up to `timeout` for one record, then takes up to `max_n` that are ready."""
+        """Waits up to `timeout` for one record, then takes up to `max_n` that are ready, stopping once the call
+        holds 64 KiB beyond the first (larger batches page-fault their freed memory back in on every call)."""
     def pop_view(self, timeout: float | None = None) -> RecordView: ...
     def reserve(self, nbytes: int, timeout: float | None = None) -> RecordWriter: ...
     def close(self) -> None: ...
@@ -101,6 +102,10 @@ class RecordView:
     def __release_buffer__(self, buffer: memoryview, /) -> None: ...
     def ack(self) -> None:
         """Acknowledges the record; BufferError while a memoryview or numpy array still uses it."""
+    def __enter__(self) -> memoryview:
+        """A read-only memoryview on the record (released by __exit__)."""
+    def __exit__(self, *exc: object) -> bool:
+        """Releases the memoryview and acknowledges (RingError if a view or array on it is still alive)."""
 
 @final
 class RecordWriter:

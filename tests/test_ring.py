@@ -177,6 +177,20 @@ def test_pop_view_refuses_to_ack_while_a_numpy_array_lives(path):
     assert r.stats()["records_out"] == 1
 
 
+def test_pop_view_acks_when_its_block_raises_and_the_error_goes_on(path):
+    r = Ring.create(path, 1 << 16)
+    r.push(b"first")
+    r.push(b"second")
+    with pytest.raises(KeyError, match="boom"):
+        with r.pop_view() as view:
+            assert bytes(view) == b"first" and view.obj.id >= 0
+            raise KeyError("boom")
+    assert r.stats()["records_out"] == 1
+    with pytest.raises(ValueError):  # the memoryview was released on exit
+        bytes(view)
+    assert r.pop(timeout=1) == b"second"
+
+
 def test_reserve_writes_in_place_and_abandon_is_skipped(path):
     r = Ring.create(path, 1 << 16)
     with pytest.raises(ZeroDivisionError):

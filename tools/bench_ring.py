@@ -3,7 +3,8 @@
 
 For 64 B, 4 KiB, 256 KiB and 4 MiB records, with 1 producer/1 consumer and 2/2 processes:
   ring         rollout_hpc ring, push(bytes) -> pop() -> bytes (copy in, copy out)
-  ring_view    push(bytes) -> pop_view() copied into one reused numpy buffer (no allocation per record)
+  ring_view    push(bytes) -> pop_view(): the record read in place (no copy out)
+  (both ring consumers read each record's first 8 bytes, as a consumer that routes or unpacks records does)
   ring_batch   push_many / pop_many of 256 (64 B and 4 KiB)
   mp_queue     multiprocessing.Queue (pickle + pipe)
   shm_queue    multiprocessing.shared_memory slots + a Queue of offsets (and one of free slots)
@@ -12,7 +13,9 @@ plus push-to-pop latency (p50/p99) of 64 B records for the ring and mp.Queue.
 
     .venv/bin/python tools/bench_ring.py [--quick]
 
-Every figure is the best of a few runs (the machine is shared). The last line is one JSON object.
+After a warm-up, every case of a size runs --repeats times (default 5) in rotated order (ring, view, batch, mp.Queue,
+shm+Queue alternate, so a noisy moment hits them all); figures are medians, with the min-max spread in the JSON
+(`*_spread`). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -59,11 +62,14 @@ def ring_consumer(path, batch, barrier, results):
     n = 0
     barrier.wait()
     try:
-        if batch == 0:  # zero-copy claim, one copy into a reused buffer
-            staging = np.empty(ring.max_record_len, np.uint8)
+        # Every consumer reads each record's first 8 bytes, as one that routes or unpacks it does (the exchange's
+        # forwarder peeks at a batch header and sends from the view; TrajectoryBatch.unpack views the arrays):
+        # the copy path copies the whole record to get there, the view path reads it in place.
+        h = 0
+        if batch == 0:  # zero-copy claim
             while True:
                 with ring.pop_view() as view:
-                    staging[: len(view)] = np.frombuffer(view, np.uint8)
+                    h ^= int.from_bytes(view[:8], "little")
                 n += 1
         elif batch > 1:
             while True:
@@ -71,7 +77,7 @@ def ring_consumer(path, batch, barrier, results):
         else:
             pop = ring.pop
             while True:
-                pop()
+                h ^= int.from_bytes(pop()[:8], "little")
                 n += 1
     except RingClosed:
         pass
@@ -272,59 +278,90 @@ def latency(ctx, n, kind):
     return float(np.percentile(lat, 50)) / 1e3, float(np.percentile(lat, 99)) / 1e3
 
 
-def best(reps, f):
-    return max(f() for _ in range(reps))
+def rounds(cases: dict, repeats: int) -> dict:
+    """Each case (name -> callable returning a rate) once to warm up, then `repeats` rounds in rotated order;
+    {name: (median, min, max)}."""
+    names = list(cases)
+    for name in names:
+        cases[name]()
+    got: dict = {name: [] for name in names}
+    for i in range(repeats):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            got[name].append(cases[name]())
+    return {name: (float(np.median(v)), min(v), max(v)) for name, v in got.items()}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="small volumes, one run each (< 1 minute)")
+    ap.add_argument("--quick", action="store_true", help="smaller volumes, 1 producer / 1 consumer (< 1 minute)")
+    ap.add_argument("--repeats", type=int, default=5, help="rounds of every case after the warm-up (default 5)")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
-    budget = (384 << 20) if args.quick else (2 << 30)
-    reps = 1 if args.quick else 3
+    budget = (256 << 20) if args.quick else (1 << 30)
+    configs = CONFIGS[:1] if args.quick else CONFIGS  # --quick: 1 producer / 1 consumer only (process starts dominate)
+    reps = args.repeats
     out = {}
     print(
         f"{'size':>8} {'P/C':>4} {'ring rec/s':>11} {'ring GB/s':>9} {'view GB/s':>9} {'memcpy GB/s':>11} "
-        f"{'x memcpy':>8} {'mpQueue rec/s':>13} {'x mpQ':>6} {'shm+Q rec/s':>11} {'x shmQ':>6}"
+        f"{'x memcpy':>8} {'mpQueue rec/s':>13} {'x mpQ':>6} {'shm+Q rec/s':>11} {'x shmQ':>6}   (medians of {reps})"
     )
     for size in SIZES:
-        # Enough volume that process start-up skew does not dominate (each run >~ 0.2 s).
-        total = int(np.clip(budget // size, 128, 300_000 if args.quick else 2_000_000))
-        base_total = int(np.clip(total // 8, 32, 40_000 if args.quick else 200_000))
-        mc = best(3, lambda: memcpy_gbs(size, budget // 4))
-        ip = best(3, lambda: inprocess_copy_gbs(size, budget // 8))
+        # Enough volume that process start-up skew does not dominate (each run >~ 0.1 s).
+        total = int(np.clip(budget // size, 128, 100_000 if args.quick else 1_000_000))
+        base_total = int(np.clip(total // 8, 32, 12_000 if args.quick else 100_000))
+        local = rounds(
+            {
+                "memcpy": lambda: memcpy_gbs(size, budget // 4),
+                "inprocess": lambda: inprocess_copy_gbs(size, budget // 8),
+            },
+            reps,
+        )
+        mc, ip = local["memcpy"][0], local["inprocess"][0]
         out[f"{size}B_inprocess"] = {"copy_gb_per_s": round(ip, 3), "x_memcpy": round(ip / mc, 3)}
         print(f"{size:>8} in one process: push+pop copies {ip:.2f} GB/s = {ip / mc:.2f}x memcpy per copy")
-        for nprod, ncons in CONFIGS:
+        for nprod, ncons in configs:
             key = f"{size}B_{nprod}p{ncons}c"
-            r = best(reps, lambda: bench_ring(ctx, size, nprod, ncons, total))
-            v = best(reps, lambda: bench_ring(ctx, size, nprod, ncons, total, batch=0))
-            q = best(reps, lambda: bench_mpq(ctx, size, nprod, ncons, base_total))
-            s = best(reps, lambda: bench_shm(ctx, size, nprod, ncons, base_total))
+            cases = {
+                "ring": lambda: bench_ring(ctx, size, nprod, ncons, total),
+                "view": lambda: bench_ring(ctx, size, nprod, ncons, total, batch=0),
+                "mpq": lambda: bench_mpq(ctx, size, nprod, ncons, base_total),
+                "shm": lambda: bench_shm(ctx, size, nprod, ncons, base_total),
+            }
+            if size in (64, 4096) and (nprod, ncons) == (1, 1):
+                cases["batch"] = lambda: bench_ring(ctx, size, 1, 1, total * (4 if size == 64 else 1), batch=BATCH)
+            m = rounds(cases, reps)
+            (r, *r_spread), (v, *v_spread) = m["ring"], m["view"]
+            q, s_ = m["mpq"][0], m["shm"][0]
             gbs, vgbs = r * size / 1e9, v * size / 1e9
             out[key] = {
                 "ring_records_per_s": round(r),
+                "ring_records_per_s_spread": [round(x) for x in r_spread],
                 "ring_gb_per_s": round(gbs, 3),
                 "ring_view_records_per_s": round(v),
+                "ring_view_records_per_s_spread": [round(x) for x in v_spread],
                 "ring_view_gb_per_s": round(vgbs, 3),
                 "memcpy_gb_per_s": round(mc, 3),
                 "x_memcpy": round(gbs / mc, 3),
                 "view_x_memcpy": round(vgbs / mc, 3),
+                "view_x_copy": round(v / r, 3),
                 "mp_queue_records_per_s": round(q),
                 "x_mp_queue": round(r / q, 2),
-                "shm_queue_records_per_s": round(s),
-                "x_shm_queue": round(r / s, 2),
+                "shm_queue_records_per_s": round(s_),
+                "x_shm_queue": round(r / s_, 2),
             }
             print(
                 f"{size:>8} {nprod}/{ncons:<2} {r:>11.0f} {gbs:>9.3f} {vgbs:>9.3f} {mc:>11.2f} {max(gbs, vgbs) / mc:>8.3f} "
-                f"{q:>13.0f} {r / q:>6.1f} {s:>11.0f} {r / s:>6.1f}"
+                f"{q:>13.0f} {r / q:>6.1f} {s_:>11.0f} {r / s_:>6.1f}"
             )
-        if size in (64, 4096):
-            rb = best(reps, lambda: bench_ring(ctx, size, 1, 1, total * (4 if size == 64 else 1), batch=BATCH))
-            out[f"{size}B_batch_1p1c_records_per_s"] = round(rb)
-            q11 = out[f"{size}B_1p1c"]["mp_queue_records_per_s"]
-            print(f"{size:>8} 1/1  ring push_many/pop_many({BATCH}): {rb:.0f} records/s ({rb / q11:.1f}x mp.Queue)")
+            if "batch" in m:
+                rb, *rb_spread = m["batch"]
+                out[f"{size}B_batch_1p1c_records_per_s"] = round(rb)
+                out[f"{size}B_batch_1p1c_records_per_s_spread"] = [round(x) for x in rb_spread]
+                out[f"{size}B_batch_x_single"] = round(rb / r, 3)
+                print(
+                    f"{size:>8} 1/1  ring push_many/pop_many({BATCH}): {rb:.0f} records/s ({rb / q:.1f}x mp.Queue, "
+                    f"{rb / r:.2f}x single push/pop)"
+                )
     n_lat = 2000 if args.quick else 20000
     rl = latency(ctx, n_lat, "ring")
     ql = latency(ctx, n_lat, "mpq")

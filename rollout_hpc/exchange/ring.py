@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING
 
 from rollout_hpc import _ring
@@ -131,20 +131,16 @@ class Ring:
         return self._r.try_pop()
 
     def pop_many(self, max_n: int, timeout: float | None = None) -> list[bytes]:
-        """Waits up to `timeout` for one record, then returns it with up to max_n - 1 more that are ready."""
+        """Waits up to `timeout` for one record, then returns it with up to max_n - 1 more that are ready, while they
+        total at most 64 KiB beyond the first (docs/ring.md: larger batches page-fault on every call)."""
         return self._r.pop_many(int(max_n), timeout)
 
-    @contextmanager
-    def pop_view(self, timeout: float | None = None) -> Iterator[memoryview]:
-        """Claims the oldest record and yields a read-only memoryview on it in shared memory (zero copy).
-        The record is acknowledged when the block ends; do not keep views (or numpy arrays on them)
-        beyond it. The record id is `view.obj.id`."""
-        record = self._r.pop_view(timeout)
-        view = memoryview(record)
-        try:
-            yield view
-        finally:
-            _finish(view, record.ack, "pop_view")
+    def pop_view(self, timeout: float | None = None) -> AbstractContextManager[memoryview]:
+        """Claims the oldest record; `with ring.pop_view() as view` gives a read-only memoryview on it in shared
+        memory (zero copy). The record is acknowledged when the block ends (RingError if a view or numpy array on
+        it is still alive then); do not keep views beyond it. The record id is `view.obj.id`. (The native record is
+        its own context manager: no Python generator per record.)"""
+        return self._r.pop_view(timeout)
 
 
 def _finish(view: memoryview, done, where: str) -> None:

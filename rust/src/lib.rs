@@ -28,7 +28,7 @@ pub mod sys;
 pub mod wait;
 
 pub use error::{Result, RingError};
-pub use ring::{Claim, Ring, Stats, WriteSlot};
+pub use ring::{Claim, Ring, Stats, WriteSlot, POP_MANY_BYTES};
 pub use wait::{Host, Plain};
 
 /// Version of the on-disk/in-memory segment layout. Bumped on any change.

@@ -225,24 +225,28 @@ impl Inner {
         }
     }
 
-    /// Claims up to `max_n` committed records in a row from `read`, then moves `read` once.
-    pub(crate) fn claim_run(&self, max_n: usize, out: &mut Vec<Slot>) -> Result<()> {
+    /// Claims up to `max_n` committed records in a row from `read`, then moves `read` once;
+    /// stops before a record that would take the claimed bytes past `max_bytes`.
+    pub(crate) fn claim_run(&self, max_n: usize, max_bytes: u64, out: &mut Vec<Slot>) -> Result<()> {
         let c = self.ctl();
         let r = c.read.0.load(Acquire);
         let h = c.cursor.0.head.load(Acquire);
         let mut p = r;
         let mut taken = 0;
+        let mut bytes = 0u64;
         while taken < max_n && p < h {
             let RecordAt { hd, state: st, len, size } = self.record_at(p)?;
             let Some(size) = size else {
                 break; // moved under us, or damaged: `next` sorts it out (and reports damage)
             };
             match kind(st) {
+                COMMITTED if bytes + len as u64 > max_bytes => break,
                 COMMITTED => {
                     let mine = self.state_word(p, CLAIMED, self.pid);
                     if hd.state.compare_exchange(st, mine, AcqRel, Relaxed).is_ok() {
                         out.push(Slot { pos: p, len: len as u64, id: hd.id.load(Relaxed) });
                         taken += 1;
+                        bytes += len as u64;
                     }
                 }
                 CLAIMED | DONE | SKIPPED | PAD => {}

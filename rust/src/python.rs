@@ -16,7 +16,7 @@ use std::time::Duration;
 use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList, PyMemoryView, PyTuple};
 
 use crate::wait::Host;
 use crate::{Claim, Ring, RingError, WriteSlot};
@@ -272,6 +272,7 @@ impl PyRing {
             len: claim.len(),
             claim: Mutex::new(Some(claim)),
             exports: BufferExports::default(),
+            entered: Mutex::new(None),
         })
     }
 
@@ -365,7 +366,9 @@ impl BufferExports {
 
 /// A claimed record in shared memory, exported read-only through the buffer protocol.
 /// `ack()` releases it (refused while a memoryview/numpy array still uses it); if this
-/// process dies first, another consumer receives the record again.
+/// process dies first, another consumer receives the record again. Also a context manager:
+/// `with ring.pop_view() as view` gets a memoryview on it, released and acknowledged on exit
+/// (in Rust: a Python generator-based context manager cost 0.8 us a record, 7x a 64 B pop).
 #[pyclass(module = "rollout_hpc._ring", frozen)]
 struct RecordView {
     #[pyo3(get)]
@@ -373,7 +376,11 @@ struct RecordView {
     len: usize,
     claim: Mutex<Option<Claim>>,
     exports: BufferExports,
+    entered: Mutex<Option<Py<PyAny>>>, // the memoryview __enter__ handed out
 }
+
+const VIEW_KEPT: &str = "a numpy array or memoryview made from the pop_view buffer is still alive at the end of the \
+                         with-block; copy what you keep (bytes(view), np.array(arr)) inside the block";
 
 #[pymethods]
 impl RecordView {
@@ -396,6 +403,24 @@ impl RecordView {
 
     fn __len__(&self) -> usize {
         self.len
+    }
+
+    fn __enter__<'py>(slf: Bound<'py, Self>) -> PyResult<Bound<'py, PyMemoryView>> {
+        let view = PyMemoryView::from(slf.as_any())?;
+        *slf.get().entered.lock().unwrap() = Some(view.clone().into_any().unbind());
+        Ok(view)
+    }
+
+    /// Releases the memoryview of __enter__, then acknowledges (also when the block raised).
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> PyResult<bool> {
+        let entered = self.entered.lock().unwrap().take();
+        let kept = |e: PyErr| if e.is_instance_of::<PyBufferError>(py) { PyRingError::new_err(VIEW_KEPT) } else { e };
+        if let Some(view) = entered {
+            view.call_method0(py, "release").map_err(kept)?;
+        }
+        self.ack().map_err(kept)?;
+        Ok(false)
     }
 
     /// Acknowledges the record: its space returns to producers.

@@ -55,6 +55,31 @@ fn fifo_single_thread_and_ids() {
 }
 
 #[test]
+fn claim_many_and_pop_many_stop_at_their_byte_bound() {
+    let p = tmp("bytebound");
+    let r = Ring::create(&p, 1 << 20).unwrap();
+    for i in 0..10 {
+        r.push(&make_record(0, i, 4096), None).unwrap();
+    }
+    let mut claims = Vec::new();
+    // The first is taken whatever its size; then records while the total stays within 10 KiB.
+    assert_eq!(r.claim_many(8, 10 << 10, T, &mut claims).unwrap(), 2);
+    r.ack_many(&mut claims).unwrap();
+    assert_eq!(r.claim_many(8, 100, T, &mut claims).unwrap(), 1);
+    r.ack_many(&mut claims).unwrap();
+    let mut out: Vec<Vec<u8>> = Vec::new();
+    let got = r.pop_many_into(100, T, |len| Ok(vec![0; len]), &mut out).unwrap();
+    assert_eq!(got, 7); // the rest: 28 KiB, under POP_MANY_BYTES
+    assert_eq!(out.iter().map(|v| check_record(v).1).collect::<Vec<_>>(), (3..10).collect::<Vec<_>>());
+    for i in 0..40 {
+        r.push(&make_record(0, i, 4096), None).unwrap();
+    }
+    let got = r.pop_many_into(100, T, |len| Ok(vec![0; len]), &mut out).unwrap();
+    assert_eq!(got, rollout_ring::POP_MANY_BYTES / 4096);
+    r.unlink().unwrap();
+}
+
+#[test]
 fn wraparound_keeps_every_byte() {
     let p = tmp("wrap");
     let r = Ring::create(&p, 4096).unwrap();
@@ -155,7 +180,7 @@ fn stress_threads_checksummed_exactly_once() {
                         Err(e) => panic!("{e}"),
                     }
                 } else {
-                    match r.claim_many(32, T, &mut batch) {
+                    match r.claim_many(32, usize::MAX, T, &mut batch) {
                         Ok(_) => {
                             let v = batch.iter().map(|c| c.data().to_vec()).collect();
                             r.ack_many(&mut batch).unwrap();

@@ -81,7 +81,7 @@ fn throughput(size: usize, np: usize, nc: usize, total: usize, batch: usize) -> 
             let mut claims = Vec::new();
             start.wait();
             loop {
-                match r.claim_many(batch, T, &mut claims) {
+                match r.claim_many(batch, usize::MAX, T, &mut claims) {
                     Ok(_) => {
                         for c in &claims {
                             out[..c.len()].copy_from_slice(c.data());
