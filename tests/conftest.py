@@ -207,7 +207,9 @@ def guarded_srun(srun_command: str) -> str:
 
     Slurm 22.05's srun can hang in pmixp_abort_agent_stop after every task of a het pmix step exited (about
     2-3 % of steps on the local cluster). Like `watch_step` in slurm/rollout.sbatch, this ends srun once
-    squeue has listed no step for 20 s; the script then fails only if srun had reported a failed task.
+    squeue has listed no step for 20 s; the script then fails only if srun had reported a failed task. The loop
+    ends after the kill: a killed srun not yet reaped still answers `kill -0`, and a second `kill -KILL` of it, gone
+    by then, failed under `set -e` and took the job down (a CI failure of test_exchange's het job).
     """
     return f"""
 {srun_command} 2> >(tee "${{TMPDIR:-/tmp}}/srun-$SLURM_JOB_ID-$$.err" >&2) &
@@ -215,7 +217,7 @@ step=$!; missing=0
 while kill -0 $step 2>/dev/null; do
     sleep 2
     if squeue -h -s -j $SLURM_JOB_ID -o %i | grep -q "^$SLURM_JOB_ID\\.[0-9]"; then missing=0; else missing=$((missing + 2)); fi
-    if [ $missing -ge 20 ]; then touch "${{TMPDIR:-/tmp}}/srun-$SLURM_JOB_ID-$$.hung"; kill -KILL $step; fi
+    if [ $missing -ge 20 ]; then touch "${{TMPDIR:-/tmp}}/srun-$SLURM_JOB_ID-$$.hung"; kill -KILL $step 2>/dev/null || true; break; fi
 done
 wait $step || {{ [ -e "${{TMPDIR:-/tmp}}/srun-$SLURM_JOB_ID-$$.hung" ] && ! grep -q ': task [0-9]*: ' "${{TMPDIR:-/tmp}}/srun-$SLURM_JOB_ID-$$.err"; }} || exit 1
 rm -f "${{TMPDIR:-/tmp}}/srun-$SLURM_JOB_ID-$$.hung"

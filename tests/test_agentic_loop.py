@@ -3,7 +3,8 @@ a gymnasium environment from a plugin file, stepped in batches; a run stopped (S
 progress and resumed ends with the weights of an uninterrupted run and every episode trained on and logged exactly
 once (the episodes cut off are replayed from their seeds); an environment that raises ends its episode with a
 counted error, never the run; the log, `analyze --json` and `samples` show the episodes turn by turn; eval plays
-held-out environment seeds and records their success rate."""
+held-out environment seeds and records their success rate; the same run as a Slurm het job gives the same weights
+and episodes."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from test_resume_local import Interruptible, cli, logged_uids, weights_digest
+from test_submit_slurm import submitted_job
 
 from rollout_hpc.envs.gym_env import episode_seed
 from rollout_hpc.runtime.metrics import read_metrics
@@ -145,6 +147,22 @@ def test_stopped_mid_episode_and_resumed_equals_an_uninterrupted_run(tmp_path, r
     assert weights_digest(run_dir) == weights_digest(reference)
     assert_exactly_once(run_dir)
     assert episodes_by_uid(run_dir) == episodes_by_uid(reference)
+
+
+@pytest.mark.slurm
+def test_episodes_in_a_slurm_het_job_match_the_local_run(slurm_cluster, tmp_path, reference):
+    """The same run as a het job on the local Slurm cluster (generator and trainer groups on nodes of their own, the
+    environments stepped in the generator's allocation): the local run's weights and episodes, each once."""
+    done = cli(
+        "submit", write_config(tmp_path, "het"), "--set", "launcher=slurm", "--run-dir", tmp_path / "het", cwd=tmp_path
+    )
+    job_id = submitted_job(done)
+    state = slurm_cluster.wait_job(int(job_id), timeout=300)
+    logs = "".join(p.read_text() for p in sorted((tmp_path / "het" / "logs").glob(f"slurm-{job_id}.*")))
+    assert state == "COMPLETED", logs[-4000:]
+    assert weights_digest(tmp_path / "het") == weights_digest(reference)
+    assert_exactly_once(tmp_path / "het")
+    assert episodes_by_uid(tmp_path / "het") == episodes_by_uid(reference)
 
 
 def episodes_by_uid(run_dir: Path) -> dict:

@@ -10,15 +10,11 @@ from pathlib import Path
 
 import pytest
 from test_resume_local import assert_exactly_once, cli, write_run_config
+from test_submit_slurm import submitted_job
 
 from rollout_hpc.store.checkpoint import list_checkpoints
 
 pytestmark = pytest.mark.slurm
-
-
-def submitted_job(done) -> str:
-    assert done.returncode == 0, done.stdout + done.stderr
-    return next(l for l in done.stdout.splitlines() if l.startswith("submitted job")).split(":", 1)[1].split()[0]
 
 
 def job_log(run_dir: Path, job_id: str) -> str:
