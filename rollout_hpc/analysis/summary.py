@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from rollout_hpc.analysis.run_info import launches, resolved_config, run_dir_of
+from rollout_hpc.rewards.mixing import metric_key, models_in_metrics
 from rollout_hpc.store.trajlog import TrajectoryReader, read_meta
 from rollout_hpc.trajectory import EPISODE_OK, REWARD_OK, REWARD_TIMEOUT, SINGLE_TURN
 
@@ -264,13 +265,13 @@ RM_FIELDS = ("mean", "std", "parse_failures", "scored")
 def reward_model_series(table: dict[str, np.ndarray]) -> dict[str, dict[str, list]]:
     """Per reward model (metrics rm/<name>/<field>): per step its mean and std raw score, the judge replies that did
     not parse and the samples it scored ({} for a run without rewards.models). A replayed step keeps its last row."""
-    names = [k[3:-5] for k in table if k.startswith("rm/") and k.endswith("/mean")]
+    names = models_in_metrics(table)
     steps = table.get("step", np.zeros(0)).astype(np.int64)
     last = {int(s): i for i, s in enumerate(steps)}  # step -> its last row
     rows = np.array([last[s] for s in sorted(last)], np.int64)
     out = {}
     for name in names:
-        cols = {f: table.get(f"rm/{name}/{f}") for f in RM_FIELDS}
+        cols = {f: table.get(metric_key(name, f)) for f in RM_FIELDS}
         mine = rows[~np.isnan(cols["scored"][rows])] if cols["scored"] is not None else rows
         series: dict[str, Any] = {"step": [int(s) for s in steps[mine]]}
         for f, col in cols.items():

@@ -18,6 +18,16 @@ from __future__ import annotations
 import numpy as np
 
 
+def metric_key(name: str, field: str) -> str:
+    """The per-step metric of reward model `name`: rm/<name>/<field> (mean, std, parse_failures, scored)."""
+    return f"rm/{name}/{field}"
+
+
+def models_in_metrics(keys) -> list[str]:
+    """The reward models named by metric keys (those of step_metrics), in order."""
+    return [k[3:-5] for k in keys if k.startswith("rm/") and k.endswith("/mean")]
+
+
 class RunningNorm:
     """Per-model running count, mean and sum of squared deviations (Chan et al.'s parallel merge)."""
 
@@ -88,9 +98,6 @@ class RewardMix:
     def n_parts(self) -> int:
         return 1 + len(self.names)
 
-    def __bool__(self) -> bool:
-        return bool(self.names)
-
     def applies(self, domain: np.ndarray) -> np.ndarray:
         """bool [B, M]: which models score each record (by its `domain` index)."""
         d = np.minimum(np.asarray(domain, np.int64), len(self.scores) - 1)
@@ -123,8 +130,8 @@ class RewardMix:
         for m, name in enumerate(self.names):
             x = parts[applies[:, m], 1 + m].astype(np.float64)
             ok = x[~np.isnan(x)]
-            out[f"rm/{name}/mean"] = float(ok.mean()) if len(ok) else float("nan")
-            out[f"rm/{name}/std"] = float(ok.std()) if len(ok) else float("nan")
-            out[f"rm/{name}/parse_failures"] = float(len(x) - len(ok))
-            out[f"rm/{name}/scored"] = float(len(x))
+            out[metric_key(name, "mean")] = float(ok.mean()) if len(ok) else float("nan")
+            out[metric_key(name, "std")] = float(ok.std()) if len(ok) else float("nan")
+            out[metric_key(name, "parse_failures")] = float(len(x) - len(ok))
+            out[metric_key(name, "scored")] = float(len(x))
         return out

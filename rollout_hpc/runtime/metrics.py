@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rollout_hpc.rewards.mixing import metric_key, models_in_metrics
 from rollout_hpc.runtime.step_plan import domain_names
 from rollout_hpc.store.trajlog import TrajectoryLog, log_path
 from rollout_hpc.store.trajlog import read_metrics as read_log_metrics
@@ -112,14 +113,13 @@ def _no_negative_zero(text: str) -> str:
 def _reward_model_fields(m: dict[str, float]) -> list[str]:
     """ "rm helpful 0.42" per reward model (its mean raw score), with its parse failures when there are any."""
     out = []
-    for key, value in m.items():
-        if key.startswith("rm/") and key.endswith("/mean"):
-            name = key[3:-5]
-            text = f"rm {name} {'n/a' if np.isnan(value) else f'{value:.3f}'}"  # n/a: no reply parsed
-            failures = m.get(f"rm/{name}/parse_failures", 0.0)
-            if failures:
-                text += f" ({failures:.0f} unparsed)"
-            out.append(text)
+    for name in models_in_metrics(m):
+        value = m[metric_key(name, "mean")]
+        text = f"rm {name} {'n/a' if np.isnan(value) else f'{value:.3f}'}"  # n/a: no reply parsed
+        failures = m.get(metric_key(name, "parse_failures"), 0.0)
+        if failures:
+            text += f" ({failures:.0f} unparsed)"
+        out.append(text)
     return out
 
 

@@ -8,8 +8,6 @@ parts with each model's running normalization (rewards/mixing.py), whose statist
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from rollout_hpc.envs.base import dataset_item
@@ -36,11 +34,9 @@ class ModelScorer:
         self.mix = RewardMix(cfg.rewards, domain_names(cfg))
         self.models = [load_reward_model(spec) for spec in cfg.rewards.models]
         self.dataset = dataset
-        self.seconds, self.samples = 0.0, 0  # scoring time and samples scored (every model counted once per sample)
 
     def apply(self, batch: TrajectoryBatch, keys: list, texts: list[str]) -> TrajectoryBatch:
         """Score `batch` (rule rewards already in fixed['reward'], keys ('train', prompt index) per row)."""
-        t0 = time.perf_counter()
         items = {i: dataset_item(self.dataset, i) for i in {int(k[1]) for k in keys}}
         rule = batch.fixed["reward"].astype(np.float64)
         domain = batch.fixed["domain"]
@@ -57,8 +53,6 @@ class ModelScorer:
         batch.reward_parts = parts.astype(np.float32).reshape(-1)
         batch.fixed["n_reward_parts"] = self.mix.n_parts
         batch.fixed["reward"] = self.mix.raw_reward(rule, scores, domain)
-        self.seconds += time.perf_counter() - t0
-        self.samples += len(batch)
         return batch
 
 
