@@ -330,11 +330,44 @@ class RewardModelSpec(_Section):
         return self
 
 
+class TaskResources(_Section):
+    """What each rank of a het group gets from Slurm."""
+
+    gpus_per_task: int = Field(0, ge=0)
+    cpus_per_task: int = Field(1, ge=1)
+    mem: str | None = Field(None, description="Slurm --mem for this group, e.g. 64G.")
+    partition: str | None = Field(None, description="Partition for this group only (default: slurm.partition).")
+    constraint: str | None = Field(None, description="Node features for this group only (default: slurm.constraint).")
+
+    @field_validator("mem")
+    @classmethod
+    def _mem_is_a_size(cls, v: str | None) -> str | None:
+        return _slurm_value(v, _SLURM_MEM, "memory size", "'64G', '500M' or '0' (all of a node's memory)")
+
+    @field_validator("partition")
+    @classmethod
+    def _partition_is_a_name(cls, v: str | None) -> str | None:
+        return _slurm_value(v, _SLURM_NAME, "partition name", "'gpu' or 'gpu,gpu-long'")
+
+    @field_validator("constraint")
+    @classmethod
+    def _constraint_is_an_expression(cls, v: str | None) -> str | None:
+        return _slurm_value(v, _SLURM_CONSTRAINT, "constraint", "'a100', 'a100&ib' or '[rack1|rack2]' (no spaces)")
+
+
+class RewardGroupSection(TaskResources):
+    """Resources of each rank of the reward group (the models with nodes > 0; their nodes and tasks_per_node size it)."""
+
+
 class RewardsSection(_Section):
     """Learned rewards next to the task's rule reward: reward = rule_weight x rule + sum of weight x score."""
 
     rule_weight: float = Field(1.0, ge=0, description="Weight of the task's rule reward (0: the models alone).")
     models: list[RewardModelSpec] = Field(default_factory=list, description="Reward models and LLM judges.")
+    group: RewardGroupSection = Field(
+        default_factory=RewardGroupSection,
+        description="Per-rank resources of the reward group: the het component of the models with nodes > 0.",
+    )
 
     @field_validator("models")
     @classmethod
@@ -499,29 +532,11 @@ class AlgorithmSection(_Section):
         return self
 
 
-class GroupSection(_Section):
+class GroupSection(TaskResources):
+    """One het group: its nodes, its ranks per node, and each rank's resources."""
+
     nodes: int = Field(1, description="Nodes in this het group (>= 1).")
     tasks_per_node: int = Field(1, description="MPI ranks per node.")
-    gpus_per_task: int = Field(0, ge=0)
-    cpus_per_task: int = Field(1, ge=1)
-    mem: str | None = Field(None, description="Slurm --mem for this group, e.g. 64G.")
-    partition: str | None = Field(None, description="Partition for this group only (default: slurm.partition).")
-    constraint: str | None = Field(None, description="Node features for this group only (default: slurm.constraint).")
-
-    @field_validator("mem")
-    @classmethod
-    def _mem_is_a_size(cls, v: str | None) -> str | None:
-        return _slurm_value(v, _SLURM_MEM, "memory size", "'64G', '500M' or '0' (all of a node's memory)")
-
-    @field_validator("partition")
-    @classmethod
-    def _partition_is_a_name(cls, v: str | None) -> str | None:
-        return _slurm_value(v, _SLURM_NAME, "partition name", "'gpu' or 'gpu,gpu-long'")
-
-    @field_validator("constraint")
-    @classmethod
-    def _constraint_is_an_expression(cls, v: str | None) -> str | None:
-        return _slurm_value(v, _SLURM_CONSTRAINT, "constraint", "'a100', 'a100&ib' or '[rack1|rack2]' (no spaces)")
 
     @field_validator("nodes", "tasks_per_node")
     @classmethod
@@ -855,12 +870,27 @@ class Config(_Section):
                 raise ValueError("rewards.rule_weight is 0 and rewards.models is empty: nothing would score a sample")
             return self
         known = [s["name"] for s in self.task.sources() or []]
-        for m in models:
-            if m.nodes > 0:
+        grouped = [m for m in models if m.nodes > 0]
+        for m in grouped[1:]:  # one het component hosts every model with nodes > 0: each of its ranks loads them all
+            if (m.nodes, m.tasks_per_node) != (grouped[0].nodes, grouped[0].tasks_per_node):
                 raise ValueError(
-                    f"rewards.models {m.name}: nodes {m.nodes}, a reward group of its own, is not available yet; set "
-                    "nodes: 0 to score in the generator ranks (on their devices)"
+                    f"rewards.models {m.name}: nodes {m.nodes} x tasks_per_node {m.tasks_per_node}, but "
+                    f"{grouped[0].name} has {grouped[0].nodes} x {grouped[0].tasks_per_node}; the models with nodes > 0 "
+                    "share one reward group (each of its ranks loads them all): give them the same nodes and tasks_per_node"
                 )
+        if grouped and self.algorithm.dynamic_sampling:
+            raise ValueError(
+                f"algorithm.dynamic_sampling decides on refills from the rewards on the generator ranks, but "
+                f"rewards.models {grouped[0].name} is scored in a reward group of its own (nodes {grouped[0].nodes}); "
+                "set its nodes: 0, or turn dynamic_sampling off"
+            )
+        if grouped and self.placement == "colocated":
+            raise ValueError(
+                f"placement 'colocated' shares each node between a generator and a trainer; rewards.models "
+                f"{grouped[0].name} asks for a reward group of its own (nodes {grouped[0].nodes}): set its nodes: 0, "
+                "or use placement: disaggregated"
+            )
+        for m in models:
             if m.backend == "vllm":
                 raise ValueError(
                     f"rewards.models {m.name}: backend 'vllm' is not available for reward models yet; use backend: hf"
@@ -898,8 +928,21 @@ class Config(_Section):
         return self.warmup.sft_steps + (0 if self.run.program == "sft" else self.algorithm.steps)
 
     @property
+    def reward_group(self) -> GroupSection | None:
+        """The reward group's layout and resources (the het component after the trainers), or None: every reward
+        model (if any) is scored in the generator ranks."""
+        grouped = [m for m in self.rewards.models if m.nodes > 0]
+        if not grouped:
+            return None
+        return GroupSection(
+            nodes=grouped[0].nodes, tasks_per_node=grouped[0].tasks_per_node, **self.rewards.group.model_dump()
+        )
+
+    @property
     def world_size(self) -> int:
-        return self.generator.ranks + self.trainer.ranks
+        """Ranks of the MPI world: generators, then trainers, then the reward group (if any), in that order."""
+        group = self.reward_group
+        return self.generator.ranks + self.trainer.ranks + (group.ranks if group else 0)
 
     def resolved(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -37,14 +37,18 @@ def test_each_colocated_rank_has_the_nodes_cores_in_its_phase(monkeypatch):
     cfg = load_config(None, ["placement=colocated", "generator.cpus_per_task=1", "trainer.cpus_per_task=1"])
     monkeypatch.delenv("SLURM_CPUS_ON_NODE", raising=False)
     cores = len(os.sched_getaffinity(0))
-    alone = SimpleNamespace(is_generator=True, local_size=1)
+    alone = SimpleNamespace(role="generator", local_size=1)
     assert cpu_threads(cfg, alone) == cores
-    assert cpu_threads(cfg, SimpleNamespace(is_generator=False, local_size=2)) == max(1, cores // 2)
+    assert cpu_threads(cfg, SimpleNamespace(role="trainer", local_size=2)) == max(1, cores // 2)
     monkeypatch.setenv("SLURM_CPUS_ON_NODE", "48")
     assert cpu_threads(cfg, alone) == 48
     spread = load_config(None, ["generator.cpus_per_task=3"])  # disaggregated: the task's own CPUs
     monkeypatch.delenv("SLURM_CPUS_ON_NODE")
     assert cpu_threads(spread, alone) == 3
+    grouped = load_config(
+        None, ["rewards.models=[{name: rm, path: x, kind: judge, nodes: 1}]", "rewards.group.cpus_per_task=2"]
+    )
+    assert cpu_threads(grouped, SimpleNamespace(role="reward", local_size=1)) == 2
 
 
 def test_colocated_layout_on_the_local_launcher(tmp_path):

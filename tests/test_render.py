@@ -75,7 +75,6 @@ def test_rendered_script_has_both_het_components(tmp_path):
     assert {"--nodes=4", "--ntasks-per-node=8", "--gpus-per-task=1", "--mem=960G", "--partition=gpu"} <= set(train)
     assert {"--signal=B:USR1@600", "--requeue", "--open-mode=append", "--job-name=grpo-7b"} <= set(gen)
     assert f"--output={tmp_path}/run/logs/slurm-%j.out" in gen and f"--error={tmp_path}/run/logs/slurm-%j.err" in gen
-    assert "--het-group=0,1" in script
     assert "export ROLLOUT_MPI=pmix" in script
     assert "module load cuda/12.4\nmodule load openmpi/4.1" in script
     assert "export NCCL_DEBUG=WARN" in script
@@ -85,7 +84,9 @@ def test_rendered_script_has_both_het_components(tmp_path):
 def test_one_job_step_spans_both_groups():
     script = render_script(load_config(None), Path("/runs/x"))
     steps = [l for l in script.splitlines() if l.lstrip().startswith("srun ")]
-    assert len(steps) == 1 and "--het-group=0,1" in steps[0] and '--mpi="$ROLLOUT_MPI"' in steps[0]
+    # every component of the allocation: 0-1, or 0-2 with a reward group (SLURM_HET_SIZE 3)
+    assert len(steps) == 1 and '--het-group="0-$((${SLURM_HET_SIZE:-2} - 1))"' in steps[0]
+    assert '--mpi="$ROLLOUT_MPI"' in steps[0]
     assert "rollout_hpc.runtime.entry --run-dir" in script
 
 

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from tiny_hf import make_tiny_judge, make_tiny_qwen, make_tiny_reward_classifier
 
 from rollout_hpc.config import ConfigError, RewardModelSpec, load_config
+from rollout_hpc.errors import UserError
 from rollout_hpc.envs.registry import check_task
 from rollout_hpc.rewards.mixing import RewardMix, RunningNorm
 from rollout_hpc.rewards.reward_models import (
@@ -150,7 +151,6 @@ def rm_overrides(path, **kw) -> list[str]:
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({"nodes": 1}, "nodes 1, a reward group of its own, is not available yet"),
         ({"backend": "vllm"}, "backend 'vllm' is not available"),
         ({"domains": "[math]"}, "domains names 'math', which is not a source"),
         ({"template": "'{question}'"}, "template is for kind 'judge'"),
@@ -162,6 +162,60 @@ def rm_overrides(path, **kw) -> list[str]:
 def test_config_refuses_what_cannot_run(tmp_path, extra, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, rm_overrides(tmp_path, **extra))
+
+
+def test_a_reward_group_is_a_third_het_component_after_the_trainers(tmp_path):
+    from rollout_hpc.commands.prepare import allocation_layout
+    from rollout_hpc.launch.local import mpirun_command
+    from rollout_hpc.launch.render import render_script
+
+    two = (
+        f"rewards.models=[{{name: a, path: {tmp_path}, kind: classifier, nodes: 2, tasks_per_node: 3}}, "
+        f"{{name: b, path: {tmp_path}, kind: judge}}, {{name: c, path: {tmp_path}, kind: judge, nodes: 2, tasks_per_node: 3}}]"
+    )
+    cfg = load_config(None, [two, "rewards.group.gpus_per_task=1", "rewards.group.partition=rm", "trainer.nodes=2"])
+    group = cfg.reward_group
+    assert (group.nodes, group.tasks_per_node, group.gpus_per_task) == (2, 3, 1)
+    assert cfg.world_size == cfg.generator.ranks + cfg.trainer.ranks + 6
+    script = render_script(cfg, tmp_path / "run")
+    assert script.count("#SBATCH hetjob") == 2 and "# het component 2: reward nodes" in script
+    reward_lines = script.split("# het component 2: reward nodes")[1]
+    assert "#SBATCH --nodes=2" in reward_lines and "#SBATCH --ntasks-per-node=3" in reward_lines
+    assert "#SBATCH --partition=rm" in reward_lines and "#SBATCH --gpus-per-task=1" in reward_lines
+    assert 'srun --het-group="0-$((${SLURM_HET_SIZE:-2} - 1))"' in script
+    nodes = [w.split("=", 1)[1] for w in mpirun_command(cfg, tmp_path / "run") if w.startswith("ROLLOUT_NODE=")]
+    assert nodes == ["gen0", "train0", "train1", "rm0", "rm1"]
+    # plain sbatch: the allocation's third component sizes every model of the group
+    env = {"SLURM_HET_SIZE": "3"} | {
+        f"SLURM_{k}_HET_GROUP_{i}": v
+        for i, (n, t) in enumerate([("1", "1"), ("2", "1"), ("4", "2(x4)")])
+        for k, v in (("JOB_NUM_NODES", n), ("TASKS_PER_NODE", t))
+    }
+    layout = allocation_layout(env, grouped=[0, 2])
+    assert layout[-4:] == [
+        "rewards.models[0].nodes=4",
+        "rewards.models[0].tasks_per_node=2",
+        "rewards.models[2].nodes=4",
+        "rewards.models[2].tasks_per_node=2",
+    ]
+    with pytest.raises(UserError, match="3 components"):
+        allocation_layout(dict(env, SLURM_HET_SIZE="2"), grouped=[0])
+    with pytest.raises(UserError, match="a third component needs rewards.models with nodes > 0"):
+        allocation_layout(env)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["rewards.models[1].nodes=2"], "give them the same nodes and tasks_per_node"),
+        (["algorithm.dynamic_sampling=true"], "set its nodes: 0, or turn dynamic_sampling off"),
+        (["placement=colocated"], "or use placement: disaggregated"),
+    ],
+)
+def test_config_refuses_a_reward_group_it_cannot_run(tmp_path, overrides, message):
+    two = f"rewards.models=[{{name: a, path: {tmp_path}, kind: judge, nodes: 1}}, {{name: b, path: {tmp_path}, kind: judge, nodes: 1}}]"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, [two, *overrides])
 
 
 def test_config_refuses_duplicate_names_and_no_reward_at_all(tmp_path):

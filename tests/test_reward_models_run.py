@@ -1,16 +1,21 @@
 """A run with reward models in the generator ranks (rewards.models, nodes: 0), under the local launcher (real mpirun
 ranks): a tiny classifier and a tiny judge made here score every sample next to the rule reward; the log's rewards
 are the rule reward plus the normalized scores, recomputed here from the logged parts; the analysis tools show
-each model; a run stopped with SIGUSR1 and resumed ends with the weights of one never stopped (the normalization's
-statistics are in the checkpoint), every sample trained once."""
+each model. With the classifier on a reward group of its own (a third group of ranks), a run stopped with SIGUSR1,
+resumed, ended by a SIGKILLed reward rank and resumed again ends with the weights of the first run, never stopped
+(the normalization's statistics are in the checkpoint), every sample trained once. The same as a Slurm het job of
+three components: test_reward_group_slurm.py."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import numpy as np
 import pytest
-from test_resume_local import STEPS, assert_exactly_once, cli, stop_and_resume, weights_digest, write_run_config
+from test_loop import _rank_pid
+from test_resume_local import STEPS, Interruptible, assert_exactly_once, cli, weights_digest, write_run_config
 from tiny_hf import make_tiny_judge, make_tiny_reward_classifier
 
 from rollout_hpc.config import load_config
@@ -85,9 +90,32 @@ def test_the_analysis_tools_show_each_model(whole, tmp_path):
     assert "<h2>Reward models</h2>" in html and f'<td class="num">{SAMPLES_PER_STEP * STEPS}</td>' in html
 
 
-def test_a_run_with_reward_models_resumed_after_a_stop_matches_one_never_stopped(whole, rewards_yaml, tmp_path):
+def test_a_reward_group_stopped_and_with_a_reward_rank_killed_resumes_to_the_weights_of_one_never_stopped(
+    whole, rewards_yaml, tmp_path
+):
+    """The classifier on a reward group of its own (a third group of ranks between generators and trainers), the
+    judge on the generator ranks: the same scores, so the same weights as the run where both score on the generator
+    ranks; a SIGUSR1 stop and a SIGKILLed reward rank lose nothing and train nothing twice."""
+    grouped = rewards_yaml.replace("batch_size: 3}", "batch_size: 3, nodes: 1}")
+    assert grouped != rewards_yaml
     cut = tmp_path / "cut"
-    stop_and_resume(write_run_config(tmp_path, "cut", extra=rewards_yaml), cut, 4, tmp_path)
+    config = write_run_config(tmp_path, "cut", extra=grouped)
+    run = Interruptible("submit", config, "--local", "--run-dir", cut, cwd=tmp_path)
+    run.wait_for_step(4)
+    run.proc.send_signal(signal.SIGUSR1)
+    assert run.finish() == 75, run.output[-3000:]
+    assert "reward rank 2: scored" in run.output  # the group scored, then passed the generators' END on
+
+    run = Interruptible("resume", cut, "--local", cwd=tmp_path)
+    run.wait_for_step(10)  # past the checkpoint of step 9 (every 3)
+    mpirun_pid = json.loads((cut / "manifest.json").read_text())["local_runs"][-1]["pid"]
+    os.kill(_rank_pid(mpirun_pid, "rm0"), signal.SIGKILL)
+    code = run.finish()
+    assert code not in (0, 75), run.output[-3000:]
+    assert "nothing checkpointed is lost" in run.output and f"rollout-hpc resume {cut}" in run.output
+
+    done = cli("resume", cut, "--local", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert weights_digest(cut) == weights_digest(whole[0])
     assert_exactly_once(cut, STEPS)
     with TrajectoryReader(cut) as a, TrajectoryReader(whole[0]) as b:

@@ -11,7 +11,7 @@ import argparse
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rollout_hpc.commands import add_config_arguments, config_path
@@ -32,29 +32,41 @@ def _tasks_per_node(spec: str) -> int:
     return counts.pop()
 
 
-def allocation_layout(env: Mapping[str, str] = os.environ) -> list[str]:
-    """--set overrides giving each group the nodes and tasks per node of this het allocation."""
-    if env.get("SLURM_HET_SIZE") != "2":
+def allocation_layout(env: Mapping[str, str] = os.environ, grouped: Sequence[int] = ()) -> list[str]:
+    """--set overrides giving each group the nodes and tasks per node of this het allocation. `grouped`: the
+    indices of the config's rewards.models with nodes > 0, which a third component (the reward group) sizes."""
+    want = "3" if grouped else "2"
+    if env.get("SLURM_HET_SIZE") != want:
+        roles = "generators, trainers, reward models" if grouped else "generators, trainers"
         raise UserError(
-            "this job is not a heterogeneous job of two components (generators, trainers): SLURM_HET_SIZE is "
-            f"{env.get('SLURM_HET_SIZE', 'unset')}. Keep the '#SBATCH hetjob' line of slurm/rollout.sbatch."
+            f"this job is not a heterogeneous job of {want} components ({roles}): SLURM_HET_SIZE is "
+            f"{env.get('SLURM_HET_SIZE', 'unset')}. Keep the '#SBATCH hetjob' lines of slurm/rollout.sbatch"
+            + (
+                ", one before each group, or set the reward models' nodes: 0"
+                if grouped
+                else "; a third component needs rewards.models with nodes > 0 in the config"
+            )
+            + "."
         )
     overrides = []
-    for index, group in enumerate(GROUPS):
+    for index, group in enumerate(GROUPS + (("reward",) if grouped else ())):
         nodes = env.get(f"SLURM_JOB_NUM_NODES_HET_GROUP_{index}") or env.get(f"SLURM_NNODES_HET_GROUP_{index}")
         per_node = env.get(f"SLURM_NTASKS_PER_NODE_HET_GROUP_{index}") or env.get(
             f"SLURM_TASKS_PER_NODE_HET_GROUP_{index}"
         )
         if not nodes or not per_node:
             raise UserError(f"Slurm did not say the size of het group {index} ({group}s); is this a Slurm job?")
-        overrides += [f"{group}.nodes={int(nodes)}", f"{group}.tasks_per_node={_tasks_per_node(per_node)}"]
+        keys = [f"rewards.models[{m}]" for m in grouped] if group == "reward" else [group]
+        for key in keys:
+            overrides += [f"{key}.nodes={int(nodes)}", f"{key}.tasks_per_node={_tasks_per_node(per_node)}"]
     return overrides
 
 
 def run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.from_allocation:
-        layout = allocation_layout()
+        models = load_config(args.config, overrides).rewards.models
+        layout = allocation_layout(grouped=[m for m, spec in enumerate(models) if spec.nodes > 0])
         print(f"rollout-hpc prepare: layout from the allocation: {' '.join(layout)}", file=sys.stderr)
         overrides += layout
     cfg = load_config(args.config, overrides)

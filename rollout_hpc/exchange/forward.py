@@ -115,24 +115,36 @@ class _Backoff:
 
 
 class Exchange:
-    """Collective constructor over the whole world; then generators put(), trainers get()."""
+    """One link of the experience stream, from the `source` group's ranks (put) to the `dest` group's (get).
 
-    def __init__(self, world, cfg, keep_ring_file: bool = False):
+    Collective constructor over both groups (the ranks of other groups do not take part); then the source ranks
+    put(), the dest ranks get(). The default link is generators -> trainers; with a reward group the stream has
+    two: generators -> reward and reward -> trainers (a reward rank holds one of each)."""
+
+    def __init__(self, world, cfg, keep_ring_file: bool = False, source: str = "generator", dest: str = "trainer"):
         """keep_ring_file: leave the ring's file in ring_dir while the run lasts, for processes that are not
         MPI ranks to attach by path (ring_path). By default it is unlinked once the node's ranks attached,
         so a run killed with SIGKILL leaves no segment behind in /dev/shm."""
         from mpi4py import MPI
 
+        if world.role not in (source, dest):
+            raise ExchangeError(f"a {world.role} rank is not on the {source} -> {dest} exchange")
         self.MPI = MPI
         self.world = world
         self.cfg = cfg
-        self.comm = world.inter_comm.Dup()  # private matching context for DATA/ACK/END
+        self.source, self.dest = source, dest
+        self.producer = world.role == source
+        self.comm = world.link(dest if self.producer else source).Dup()  # private matching context for DATA/ACK/END
         ring = _ring_module()
         self._RingTimeout, self._RingClosed = ring.RingTimeout, ring.RingClosed
         self._RecordTooLarge = ring.RecordTooLarge
-        self.ring_path = ring.ring_path(
-            cfg.exchange.ring_dir, cfg.run.name, world.job_id, world.node_name, f"exp-{world.role}"
+        # A rank on two links (the reward group's) has a ring for each.
+        purpose = (
+            f"exp-{world.role}"
+            if world.role in ("generator", "trainer")
+            else f"exp-{world.role}-{'out' if self.producer else 'in'}"
         )
+        self.ring_path = ring.ring_path(cfg.exchange.ring_dir, cfg.run.name, world.job_id, world.node_name, purpose)
         if world.is_node_leader:
             if os.path.exists(
                 self.ring_path
@@ -155,7 +167,7 @@ class Exchange:
         self._hungry = threading.Event()
         self._wake = threading.Event()  # cuts the receiver's current back-off short when a get() starts waiting
         if world.is_node_leader:
-            self._worker = (_Forwarder if world.is_generator else _Receiver)(self)
+            self._worker = (_Forwarder if self.producer else _Receiver)(self)
             self._worker.start()
 
     # --- generator side ------------------------------------------------------
@@ -170,8 +182,8 @@ class Exchange:
 
     def _push(self, data, n_records: int, timeout: float | None) -> None:
         """Push a TrajectoryBatch (packed in place) or packed bytes, counting pushes that had to wait."""
-        if not self.world.is_generator:
-            raise ExchangeError("put() is for generator ranks; trainer ranks call get()")
+        if not self.producer:
+            raise ExchangeError(f"put() is for the {self.source} ranks; {self.dest} ranks call get()")
         self._raise_worker_error()
         size = data.packed_size() if isinstance(data, TrajectoryBatch) else len(data)
         try:
@@ -188,7 +200,7 @@ class Exchange:
         except self._RingClosed:
             self._raise_worker_error()
             raise ExchangeError(
-                f"the forwarder of generator node {self.world.node_name} stopped; see its leader rank's error"
+                f"the forwarder of {self.source} node {self.world.node_name} stopped; see its leader rank's error"
             ) from None
         self.counters["put_records"] += n_records
         self.counters["put_bytes"] += size
@@ -216,14 +228,14 @@ class Exchange:
         if failure is not None:
             raise failure
         if text is not None:
-            raise ExchangeError(f"flush on generator node {self.world.node_name} failed: {text}")
+            raise ExchangeError(f"flush on {self.source} node {self.world.node_name} failed: {text}")
 
     # --- trainer side --------------------------------------------------------
     def get(self, n_records: int, timeout: float | None = None) -> TrajectoryBatch:
         """Exactly n_records trajectories (fewer only at the end of the stream; empty = all done).
         On timeout raises TimeoutError; what was popped stays for the next call."""
-        if not self.world.is_trainer:
-            raise ExchangeError("get() is for trainer ranks; generator ranks call put()")
+        if self.producer:
+            raise ExchangeError(f"get() is for the {self.dest} ranks; {self.source} ranks call put()")
         self._raise_worker_error()
         deadline = None if timeout is None else time.monotonic() + timeout
         parts, have = [self._leftover], len(self._leftover)
@@ -277,11 +289,11 @@ class Exchange:
                 pass
             kind, _, text = bytes(buf[len(_POISON) :]).decode(errors="replace").partition(":")
             raise (LayoutError if kind == "LayoutError" else ExchangeError)(text)
-        return _validate(buf, f"trainer node {self.world.node_name}")
+        return _validate(buf, f"{self.dest} node {self.world.node_name}")
 
     @property
     def ended(self) -> bool:
-        """True once every generator node finished and this rank has seen the end of the ring."""
+        """True once every source node finished and this rank has seen the end of the ring."""
         return self._ended and not len(self._leftover)
 
     # --- both ----------------------------------------------------------------
@@ -294,13 +306,13 @@ class Exchange:
         if self._closed:
             return rest
         self._closed = True
-        if self.world.is_generator:
+        if self.producer:
             self._raise_worker_error()
             try:
                 self.ring.push(_DONE, timeout=timeout)  # after all of this rank's batches (FIFO)
             except self._RingClosed:
                 raise ExchangeError(
-                    f"the forwarder of generator node {self.world.node_name} stopped; see its leader rank's error"
+                    f"the forwarder of {self.source} node {self.world.node_name} stopped; see its leader rank's error"
                 ) from None
         else:
             rest = self.get(1 << 62, timeout=timeout)  # until the end of the stream
@@ -373,8 +385,8 @@ class _Forwarder(_Worker):
     def __init__(self, ex: Exchange):
         super().__init__(ex)
         cfg, world = ex.cfg, ex.world
-        self.dests = [r.group_rank for r in world.leaders("trainer")]
-        self.budget = max(1, cfg.exchange.max_inflight_bytes // cfg.generator.nodes)
+        self.dests = [r.group_rank for r in world.leaders(ex.dest)]
+        self.budget = max(1, cfg.exchange.max_inflight_bytes // len(world.leaders(ex.source)))
         self.tokens = np.zeros(len(self.dests), np.int64)  # tokens sent per trainer node
         self.batches = np.zeros(len(self.dests), np.int64)
         self.sending: list[tuple] = []  # (request, buffer) until the send completes locally
@@ -411,7 +423,7 @@ class _Forwarder(_Worker):
                     drained |= self.done_ranks == self.local_size
                 else:
                     raise LayoutError(
-                        f"generator node {self.ex.world.node_name}: a {len(head)}-byte record in its ring is not a trajectory batch"
+                        f"{self.ex.source} node {self.ex.world.node_name}: a {len(head)}-byte record in its ring is not a trajectory batch"
                     )
             if staged is not None and (self.inflight == 0 or self.inflight + len(staged.view) <= self.budget):
                 self._send(staged)
@@ -453,7 +465,9 @@ class _Forwarder(_Worker):
         try:  # the header only: routing needs the token count; the receiver checks every length
             n_records, n_tokens = TrajectoryBatch.peek(view)
         except LayoutError as exc:
-            raise LayoutError(f"generator node {self.ex.world.node_name} (a record in its ring): {exc}") from None
+            raise LayoutError(
+                f"{self.ex.source} node {self.ex.world.node_name} (a record in its ring): {exc}"
+            ) from None
         j = int(np.argmin(self.tokens))
         # Sent straight from shared memory; the record stays claimed until the send completes.
         req = self.comm.Isend([view, self.MPI.BYTE], dest=self.dests[j], tag=TAG_DATA)
@@ -534,7 +548,7 @@ class _Receiver(_Worker):
 
     def __init__(self, ex: Exchange):
         super().__init__(ex)
-        self.n_sources = len(ex.world.leaders("generator"))
+        self.n_sources = len(ex.world.leaders(ex.source))
         self.ends = 0
         self.recv_bytes = self.recv_records = self.recv_msgs = 0
         self.acks: list[tuple] = []
@@ -566,7 +580,7 @@ class _Receiver(_Worker):
             if tag == TAG_ABORT:
                 kind, _, text = bytes(buf).decode(errors="replace").partition(":")
                 raise (LayoutError if kind == "LayoutError" else ExchangeError)(text)
-            raise ExchangeError(f"unexpected message tag {tag} from generator group rank {source}")
+            raise ExchangeError(f"unexpected message tag {tag} from {self.ex.source} group rank {source}")
         MPI.Request.Waitall([r for r, _ in self.acks])
         ring.close()  # every generator node ended: trainers see the end once they drained the ring
 
@@ -581,7 +595,7 @@ class _Receiver(_Worker):
             try:
                 n_records = len(TrajectoryBatch.unpack(view))  # its arrays view the record and are gone at once
             except LayoutError as exc:
-                error = f"batch from generator group rank {source} to trainer node {self.ex.world.node_name}: {exc}"
+                error = f"batch from {self.ex.source} group rank {source} to {self.ex.dest} node {self.ex.world.node_name}: {exc}"
             if error is not None:  # raised outside the except: no traceback keeps views on the record
                 raise LayoutError(error)  # the reservation is abandoned, never committed
         self.recv_msgs += 1
@@ -599,7 +613,7 @@ class _Receiver(_Worker):
             pass
         _unlink_quietly(self.ex.ring)
         try:  # the generator nodes stop too, instead of waiting for acknowledgements
-            sources = [r.group_rank for r in self.ex.world.leaders("generator")]
+            sources = [r.group_rank for r in self.ex.world.leaders(self.ex.source)]
             self.MPI.Request.Waitall([self.comm.Isend([reason, self.MPI.BYTE], dest=g, tag=TAG_ABORT) for g in sources])
         except Exception:
             pass

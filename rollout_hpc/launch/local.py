@@ -1,8 +1,8 @@
 """The local launcher: the Slurm job's rank layout under `mpirun`, in the foreground.
 
 mpirun's MPMD form gives each emulated node its own app context, so every rank knows its node
-from ROLLOUT_NODE (gen0, gen1, ..., train0, ...) exactly as a Slurm rank knows it from its host.
-World ranks are ordered like `srun --het-group=0,1`: all generator ranks first.
+from ROLLOUT_NODE (gen0, gen1, ..., train0, ..., rm0, ...) exactly as a Slurm rank knows it from its host.
+World ranks are ordered like `srun --het-group=0-2`: generators, trainers, then the reward group (if any).
 """
 
 from __future__ import annotations
@@ -41,13 +41,16 @@ def require_mpirun() -> str:
 
 
 def mpirun_command(cfg: Config, run_dir: Path, python: str = sys.executable) -> list[str]:
-    """One app context per emulated node: generator nodes, then trainer nodes."""
+    """One app context per emulated node: generator nodes, then trainer nodes, then reward nodes."""
     # Ranks outnumber cores on a workstation; binding them would pile them onto a few cores.
     cmd = [require_mpirun(), "--oversubscribe", "--bind-to", "none"]
     # Colocated: generator and trainer ranks of emulated node i share its name, as they would share a host.
     gen, train = ("node", "node") if cfg.placement == "colocated" else ("gen", "train")
     nodes = [(f"{gen}{i}", cfg.generator.tasks_per_node) for i in range(cfg.generator.nodes)]
     nodes += [(f"{train}{i}", cfg.trainer.tasks_per_node) for i in range(cfg.trainer.nodes)]
+    group = cfg.reward_group
+    if group is not None:
+        nodes += [(f"rm{i}", group.tasks_per_node) for i in range(group.nodes)]
     for index, (node, tasks) in enumerate(nodes):
         if index:
             cmd.append(":")
@@ -148,12 +151,14 @@ def run_local(cfg: Config, run_dir: Path, console: Console | None = None) -> int
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
     ranks = cfg.world_size
+    group = cfg.reward_group
+    reward = f", {group.nodes}x{group.tasks_per_node} reward" if group else ""
     try:
         with (
             open(log_path, "ab", buffering=0) as log,  # unbuffered: on a full disk, close has nothing to flush
             console.status(
                 f"[bold]mpirun[/]: {ranks} ranks ({cfg.generator.nodes}x{cfg.generator.tasks_per_node} generator, "
-                f"{cfg.trainer.nodes}x{cfg.trainer.tasks_per_node} trainer) in {run_dir}"
+                f"{cfg.trainer.nodes}x{cfg.trainer.tasks_per_node} trainer{reward}) in {run_dir}"
             ),
         ):
             assert proc.stdout is not None

@@ -1,9 +1,13 @@
-"""The MPI world of one run: who am I (generator or trainer), on which node, and the communicators.
+"""The MPI world of one run: who am I (generator, trainer or reward), on which node, and the communicators.
 
-One MPI world spans both heterogeneous groups. Under `srun --het-group=0,1`
-group 0's tasks come first, and the local launcher starts the generators first
-in its MPMD `mpirun`, so world ranks [0, generator.ranks) are generators and
-the rest trainers.
+One MPI world spans the heterogeneous groups. Under `srun --het-group=0-1`
+(0-2 with a reward group) group 0's tasks come first, and the local launcher
+starts its MPMD blocks in the same order, so world ranks [0, generator.ranks)
+are generators, the next trainer.ranks trainers, and the rest (if any) the
+reward group (rewards.models with nodes > 0). Each pair of groups that talks
+has an intercommunicator: generators-trainers (weights, and experience without
+a reward group), generators-reward and reward-trainers (experience through the
+reward group).
 
 The node a rank runs on is SLURMD_NODENAME under Slurm, else ROLLOUT_NODE (the
 local launcher sets it per MPMD block to emulate several nodes on one host),
@@ -22,7 +26,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import mpi4py
 
@@ -33,6 +37,10 @@ from rollout_hpc.errors import WorldError
 
 GENERATOR = "generator"
 TRAINER = "trainer"
+REWARD = "reward"
+ROLES = (GENERATOR, TRAINER, REWARD)  # in world-rank order
+# The intercommunicators, each with its own tag, created in this order: no group waits on one that waits on it.
+_PAIRS = ((GENERATOR, TRAINER), (GENERATOR, REWARD), (REWARD, TRAINER))
 _INTERCOMM_TAG = 7001
 
 
@@ -65,11 +73,11 @@ class World:
     comm: MPI.Intracomm  # MPI.COMM_WORLD
     rank: int
     size: int
-    role: str  # "generator" | "trainer"
+    role: str  # "generator" | "trainer" | "reward"
     group_rank: int
     group_size: int
     group_comm: MPI.Intracomm  # the ranks of my role
-    inter_comm: MPI.Intercomm  # intercommunicator to the other role's group (remote ranks = their group ranks)
+    inter_comm: MPI.Intercomm  # generators <-> trainers; a reward rank's: to the trainers (remote ranks = group ranks)
     node_name: str
     node_index: int  # index of my node within my group, in order of group rank
     n_nodes: int  # nodes in my group
@@ -78,10 +86,22 @@ class World:
     local_size: int
     job_id: str  # SLURM_JOB_ID, or a token unique to this mpirun (names shared-memory segments)
     ranks: list[RankInfo] = field(repr=False, default_factory=list)
+    links: dict[str, MPI.Intercomm] = field(repr=False, default_factory=dict)  # intercommunicator per other role
+
+    def link(self, role: str) -> MPI.Intercomm:
+        """The intercommunicator to `role`'s group (remote ranks are their group ranks)."""
+        return self.links[role]
+
+    def has_role(self, role: str) -> bool:
+        return any(r.role == role for r in self.ranks)
 
     @property
     def is_generator(self) -> bool:
         return self.role == GENERATOR
+
+    @property
+    def is_reward(self) -> bool:
+        return self.role == REWARD
 
     @property
     def is_trainer(self) -> bool:
@@ -126,19 +146,28 @@ def init_world(cfg, comm=None) -> World:
             f"the MPI library gave thread level {MPI.Query_thread()}, rollout-hpc needs MPI_THREAD_MULTIPLE "
             "(import rollout_hpc.runtime.world before anything imports mpi4py.MPI, or use an MPI built with threads)"
         )
-    n_gen, n_train = cfg.generator.ranks, cfg.trainer.ranks
+    sections = _sections(cfg)
     if comm.Get_size() != cfg.world_size:
+        sizes = " + ".join(
+            f"{_key(role)} ranks {s.ranks} (nodes {s.nodes} x tasks_per_node {s.tasks_per_node})"
+            for role, s in sections
+        )
         raise WorldError(
-            f"the MPI world has {comm.Get_size()} ranks, but the config needs generator.ranks {n_gen} "
-            f"(nodes {cfg.generator.nodes} x tasks_per_node {cfg.generator.tasks_per_node}) + trainer.ranks {n_train} "
-            f"(nodes {cfg.trainer.nodes} x tasks_per_node {cfg.trainer.tasks_per_node}) = {cfg.world_size}; "
+            f"the MPI world has {comm.Get_size()} ranks, but the config needs {sizes} = {cfg.world_size}; "
             "launch with `rollout-hpc submit` (or mpirun -np matching), or fix the group sizes in the config"
         )
     rank = comm.Get_rank()
-    role = GENERATOR if rank < n_gen else TRAINER
-    color = 0 if role == GENERATOR else 1
-    group_comm = comm.Split(color, rank)
-    inter_comm = group_comm.Create_intercomm(0, comm, n_gen if role == GENERATOR else 0, _INTERCOMM_TAG)
+    first, start = {}, 0  # the world rank of each group's first rank (its leader in the intercommunicators)
+    for role, section in sections:
+        first[role], start = start, start + section.ranks
+    role = max((r for r, _ in sections if first[r] <= rank), key=lambda r: first[r])
+    group_comm = comm.Split(ROLES.index(role), rank)
+    links = {}
+    for tag, (a, b) in enumerate(_PAIRS, _INTERCOMM_TAG):
+        if role in (a, b) and a in first and b in first:
+            other = b if role == a else a
+            links[other] = group_comm.Create_intercomm(0, comm, first[other], tag)
+    inter_comm = links[TRAINER if role != TRAINER else GENERATOR]
 
     node_name = node_name_from_env()
     names = group_comm.allgather(node_name)
@@ -160,6 +189,7 @@ def init_world(cfg, comm=None) -> World:
         group_size=group_comm.Get_size(),
         group_comm=group_comm,
         inter_comm=inter_comm,
+        links=links,
         node_name=node_name,
         node_index=node_index,
         n_nodes=len(order),
@@ -171,13 +201,26 @@ def init_world(cfg, comm=None) -> World:
     )
 
 
+def _sections(cfg) -> list[tuple[str, Any]]:
+    """(role, its GroupSection) of each group of the run, in world-rank order."""
+    out = [(GENERATOR, cfg.generator), (TRAINER, cfg.trainer)]
+    if cfg.reward_group is not None:
+        out.append((REWARD, cfg.reward_group))
+    return out
+
+
+def _key(role: str) -> str:
+    """Where the config sets a group's layout."""
+    return "rewards.models[]" if role == REWARD else role
+
+
 def _check_nodes(cfg, ranks: list[RankInfo]) -> None:
     """A group's node count must match the config: node rings and balancing depend on it."""
-    for role, section in ((GENERATOR, cfg.generator), (TRAINER, cfg.trainer)):
+    for role, section in _sections(cfg):
         nodes = {r.node_name for r in ranks if r.role == role}
         if len(nodes) != section.nodes:
             raise WorldError(
-                f"{role}.nodes is {section.nodes} but the {role} ranks run on {len(nodes)} node(s) {sorted(nodes)}; "
+                f"{_key(role)}.nodes is {section.nodes} but the {role} ranks run on {len(nodes)} node(s) {sorted(nodes)}; "
                 f"launch with {section.tasks_per_node} task(s) per node (srun --ntasks-per-node, or ROLLOUT_NODE per "
                 "MPMD block under mpirun)"
             )
@@ -185,7 +228,7 @@ def _check_nodes(cfg, ranks: list[RankInfo]) -> None:
 
 def free_world(world: World) -> None:
     """Release the communicators (before MPI finalises at exit)."""
-    for c in (world.inter_comm, world.node_comm, world.group_comm):
+    for c in (*world.links.values(), world.node_comm, world.group_comm):
         c.Free()
 
 
