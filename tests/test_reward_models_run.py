@@ -4,22 +4,26 @@ are the rule reward plus the normalized scores, recomputed here from the logged 
 each model. With the classifier on a reward group of its own (a third group of ranks), a run stopped with SIGUSR1,
 resumed, ended by a SIGKILLed reward rank and resumed again ends with the weights of the first run, never stopped
 (the normalization's statistics are in the checkpoint), every sample trained once. The same as a Slurm het job of
-three components: test_reward_group_slurm.py."""
+three components on the local Slurm cluster, warned and requeued."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
 from test_loop import _rank_pid
 from test_resume_local import STEPS, Interruptible, assert_exactly_once, cli, weights_digest, write_run_config
+from test_resume_slurm import job_log
+from test_submit_slurm import submitted_job
 from tiny_hf import make_tiny_judge, make_tiny_reward_classifier
 
 from rollout_hpc.config import load_config
 from rollout_hpc.rewards.mixing import RewardMix, RunningNorm
+from rollout_hpc.store.checkpoint import list_checkpoints
 from rollout_hpc.store.trajlog import TrajectoryReader
 
 SAMPLES_PER_STEP = 8  # test_resume_local: PROMPTS x GROUP
@@ -120,3 +124,31 @@ def test_a_reward_group_stopped_and_with_a_reward_rank_killed_resumes_to_the_wei
     assert_exactly_once(cut, STEPS)
     with TrajectoryReader(cut) as a, TrajectoryReader(whole[0]) as b:
         np.testing.assert_array_equal(np.sort(a.column("reward")), np.sort(b.column("reward")))
+
+
+@pytest.mark.slurm
+def test_a_three_component_slurm_het_job_warned_and_requeued_matches_the_local_run(
+    slurm_cluster, whole, rewards_yaml, tmp_path
+):
+    """The reward group as het component 2 on the local Slurm cluster (one node each for generators, trainers and
+    the classifier): USR1 to the batch shell once a checkpoint exists -> checkpoint, exit 75, requeue -> the run
+    finishes with the weights of the local run where both models score on the generator ranks."""
+    grouped = rewards_yaml.replace("batch_size: 3}", "batch_size: 3, nodes: 1}")
+    config = write_run_config(tmp_path, "het", launcher="slurm", extra=grouped)
+    run_dir = tmp_path / "het"
+    job_id = submitted_job(cli("submit", config, "--run-dir", run_dir, cwd=tmp_path))
+    assert (run_dir / "job.sbatch").read_text().count("#SBATCH hetjob") == 2
+    deadline = time.monotonic() + 240
+    while not list_checkpoints(run_dir):  # the step runs (a periodic checkpoint every 3 steps exists)
+        assert time.monotonic() < deadline, job_log(run_dir, job_id)[-4000:]
+        time.sleep(0.5)
+    slurm_cluster.run("scancel", "--signal=USR1", "--batch", job_id)
+    state = slurm_cluster.wait_job(int(job_id), timeout=400)
+    log = job_log(run_dir, job_id)
+    assert state == "COMPLETED", log[-4000:]
+    assert "job step exited with code 75" in log and f"requeueing job {job_id}" in log
+    assert "rollout-hpc: resumed from" in log and "reward rank 2: scored" in log
+    nodes = {r["NodeList"] for r in slurm_cluster.job_records(int(job_id))}
+    assert len(slurm_cluster.job_records(int(job_id))) == 3 and len(nodes) == 3, nodes
+    assert weights_digest(run_dir) == weights_digest(whole[0])
+    assert_exactly_once(run_dir, STEPS)

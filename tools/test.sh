@@ -36,4 +36,4 @@ mypy rollout_hpc
 echo "[test] cargo test (rust/)"
 cargo test -q -p rollout-ring --release 2>&1 | tail -n 25
 echo "[test] pytest"
-exec python -m pytest -q -ra -p no:cacheprovider "$@"
+exec python -m pytest -q -ra -p no:cacheprovider --durations=30 "$@"
