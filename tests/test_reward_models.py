@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from tiny_hf import make_tiny_judge, make_tiny_qwen, make_tiny_reward_classifier
 
 from rollout_hpc.config import ConfigError, RewardModelSpec, load_config
-from rollout_hpc.errors import UserError
 from rollout_hpc.envs.registry import check_task
+from rollout_hpc.errors import UserError
 from rollout_hpc.rewards.mixing import RewardMix, RunningNorm
 from rollout_hpc.rewards.reward_models import (
     RewardModelError,

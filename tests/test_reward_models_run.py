@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -57,6 +58,11 @@ def whole(tmp_path_factory, rewards_yaml):
 def test_the_logged_reward_is_the_rule_plus_the_normalized_scores(whole):
     run_dir, stdout = whole
     assert "rm helpful " in stdout and "rm judge n/a (8 unparsed)" in stdout  # the progress line
+    # and the models' throughput: samples per second of scoring (runtime/scoring_rate.py), in the log too
+    assert re.search(r"  rm \d+ samples/s", stdout), stdout[-2000:]
+    with TrajectoryReader(run_dir) as r:
+        rates = r.metrics()["rm_samples_per_s"]
+    assert np.nanmin(rates) > 0 and np.isfinite(rates).sum() >= STEPS - 1
     cfg = load_config(run_dir / "config.resolved.yaml")
     mix, norm = RewardMix(cfg.rewards, []), RunningNorm(["helpful", "judge"])
     with TrajectoryReader(run_dir) as r:
@@ -109,6 +115,7 @@ def test_a_reward_group_stopped_and_with_a_reward_rank_killed_resumes_to_the_wei
     run.proc.send_signal(signal.SIGUSR1)
     assert run.finish() == 75, run.output[-3000:]
     assert "reward rank 2: scored" in run.output  # the group scored, then passed the generators' END on
+    assert re.search(r"  rm \d+ samples/s", run.output)  # the reward rank's throughput reaches the progress line
 
     run = Interruptible("resume", cut, "--local", cwd=tmp_path)
     run.wait_for_step(10)  # past the checkpoint of step 9 (every 3)

@@ -31,8 +31,8 @@ node_names() { local i; for ((i = 1; i <= NODES; i++)); do echo "n$i"; done; }
 # Prints the pid in PIDFILE if that process is alive and is this cluster's daemon (guards against pid reuse).
 live_pid() {
     local pidfile=$1 pid
-    [[ -s $pidfile ]] || return 1
-    pid=$(<"$pidfile")
+    # The daemon may remove its pid file between the test and the read: that is "not running", not an error.
+    pid=$(cat "$pidfile" 2>/dev/null) && [[ -n $pid ]] || return 1
     [[ -r /proc/$pid/cmdline ]] || return 1
     local cmdline
     cmdline=$(tr '\0' ' ' <"/proc/$pid/cmdline")

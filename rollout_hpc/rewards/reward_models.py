@@ -141,15 +141,12 @@ class _HFRewardModel:
         return {k: v.to(self.device) for k, v in enc.items()}
 
     def score(self, questions: Sequence, responses: Sequence[str], answers: Sequence[Any]) -> np.ndarray:
-        """float64 [B] (a judge's unparsable reply: NaN); in batches of spec.batch_size, of samples of similar length
-        (padding to the longest of a batch of long-tailed lengths would cost more than the short ones' work)."""
+        """float64 [B] (a judge's unparsable reply: NaN); in batches of samples of similar length (padding to the
+        longest of a batch of long-tailed lengths would cost more than the short ones' work): padded_batches."""
         out = np.zeros(len(responses), np.float64)
-        b = self.spec.batch_size
         size = [len(_question_text(q)) + len(r) for q, r in zip(questions, responses)]
-        order = np.argsort(size, kind="stable")
         with self.torch.inference_mode():
-            for lo in range(0, len(order), b):
-                rows = order[lo : lo + b]
+            for rows in padded_batches(size, self.spec.batch_size):
                 out[rows] = self._score_batch(
                     [questions[i] for i in rows], [responses[i] for i in rows], [answers[i] for i in rows]
                 )
@@ -157,6 +154,27 @@ class _HFRewardModel:
 
     def _score_batch(self, questions: list, responses: list[str], answers: list) -> np.ndarray:
         raise NotImplementedError
+
+
+PADDING_LIMIT = 1.25  # a batch's padded work (rows x its longest) at most this times its real work
+
+
+def padded_batches(sizes: Sequence[int], batch_size: int) -> list[np.ndarray]:
+    """Row indices in batches of at most batch_size rows, shortest first, each closed before padding its rows to the
+    longest would cost more than PADDING_LIMIT x their own lengths. Deterministic in `sizes` alone."""
+    order = np.argsort(np.asarray(sizes), kind="stable")
+    batches: list[list[int]] = []
+    total = 0
+    for i in order:
+        n = max(int(sizes[i]), 1)
+        rows = batches[-1] if batches else None
+        if rows is None or len(rows) >= batch_size or n * (len(rows) + 1) > PADDING_LIMIT * (total + n):
+            batches.append([int(i)])
+            total = n
+        else:
+            rows.append(int(i))
+            total += n
+    return [np.asarray(b, np.int64) for b in batches]
 
 
 def _messages(question) -> list[dict]:

@@ -50,9 +50,10 @@ class RewardWorkers:
 
     ERROR_STREAK_FATAL = 64  # rewards in a row that raised: the reward is broken, not one odd sample
 
-    def __init__(self, exchange, pool, models=None) -> None:
+    def __init__(self, exchange, pool, models=None, rate=None) -> None:
         self.exchange, self.pool = exchange, pool
         self.models = models  # runtime.model_rewards.ModelScorer (rewards.models), scored after the rule reward
+        self.rate = rate  # runtime.scoring_rate.RateSender: the models' scoring time, for the progress line
         self.error_streak = 0
         self.lock = threading.Lock()  # one caller of the pool at a time (sender thread, eval, refills)
         self.queue: queue.Queue = queue.Queue(maxsize=4)  # bound the work in flight
@@ -80,7 +81,10 @@ class RewardWorkers:
         batch.fixed["reward"] = [r.value for r in results]
         batch.fixed["reward_status"] = [r.status for r in results]
         if self.models is not None:
+            t0 = time.perf_counter()
             batch = self.models.apply(batch, keys, texts)
+            if self.rate is not None and self.models.models:  # not when the reward group scores every model
+                self.rate.sent(len(batch), time.perf_counter() - t0)
         batch.fixed["t_end"] = time.time()
         return batch
 
@@ -106,6 +110,8 @@ class RewardWorkers:
         self.queue.put(None)
         self.sender.join()
         self.pool.close()
+        if self.rate is not None:
+            self.rate.close()
 
 
 def receive_weights(weights, min_version: int):
@@ -210,7 +216,7 @@ def make_evaluator(world, cfg, gen, task, workers, eval_comm):
     return Evaluator(world, cfg, gen, rows, workers, eval_comm, logger)
 
 
-def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights, eval_comm=None) -> int:
+def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights, eval_comm=None, rate=None) -> int:
     a = cfg.algorithm
     data_dir = run_dir / "data"
     task = load_task(cfg.task, data_dir=data_dir if data_dir.is_dir() else None)
@@ -218,7 +224,7 @@ def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights
     gen = make_generator(cfg, model, tokenizer, task)
     multi_turn = is_multi_turn(task)
     models = ModelScorer(cfg, dataset) if cfg.rewards.models and not multi_turn else None
-    workers = None if multi_turn else RewardWorkers(exchange, reward_pool(cfg, task, run_dir), models)
+    workers = None if multi_turn else RewardWorkers(exchange, reward_pool(cfg, task, run_dir), models, rate)
     evaluator = make_evaluator(world, cfg, gen, task, workers, eval_comm) if cfg.eval and eval_comm else None
 
     # The trainers publish the weights they start from; its version is the first step to generate.

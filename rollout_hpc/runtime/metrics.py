@@ -120,6 +120,8 @@ def _reward_model_fields(m: dict[str, float]) -> list[str]:
         if failures:
             text += f" ({failures:.0f} unparsed)"
         out.append(text)
+    if out and "rm_samples_per_s" in m:  # runtime.scoring_rate: per scoring process, while it scores
+        out.append(f"rm {m['rm_samples_per_s']:.0f} samples/s")
     return out
 
 

@@ -21,7 +21,7 @@ from rollout_hpc.runtime.step_plan import domain_names
 from rollout_hpc.trajectory import TrajectoryBatch
 
 
-def _question(item):
+def question_of(item):
     """What a reward model reads as the question: the prompt's chat messages where it has them, else its text."""
     messages = getattr(item, "messages", None)
     return list(messages) if messages else str(getattr(item, "text", item))
@@ -64,7 +64,7 @@ class ModelScorer:
             if len(rows):
                 mine = [items[int(keys[r][1])] for r in rows]
                 parts[rows, 1 + m] = model.score(
-                    [_question(x) for x in mine], [texts[r] for r in rows], [_answer(x) for x in mine]
+                    [question_of(x) for x in mine], [texts[r] for r in rows], [_answer(x) for x in mine]
                 )
         batch.reward_parts = parts.astype(np.float32).reshape(-1)
         batch.fixed["n_reward_parts"] = n

@@ -27,33 +27,50 @@ from rollout_hpc.runtime.model_rewards import ModelScorer
 ALL = 1 << 40  # get_available's bound: one whole ring record (a generator rank's put), however large
 
 
-def run_reward_group(world, cfg, run_dir: Path, incoming, outgoing) -> int:
-    """Score until every generator node has ended its stream, then end ours to the trainers."""
-    data_dir = run_dir / "data"
-    task = load_task(cfg.task, data_dir=data_dir if data_dir.is_dir() else None)
-    dataset = task.prompts(cfg.run.seed)
-    tokenizer = load_tokenizer(cfg.model)
-    scorer = ModelScorer(cfg, dataset, in_group=True)
-    watchdog.beat(0)  # the models are loaded: from here a rank that stops making progress is hung
-    scored, busy = 0, 0.0
-    while True:
-        batch = incoming.get_available(ALL, timeout=watchdog.WAIT_SLICE_S)
-        if not len(batch):
-            if incoming.ended:
-                break
-            watchdog.waiting()  # waiting for the generators is not a hang of this rank
-            continue
-        t0 = time.perf_counter()
+class RewardGroup:
+    """One reward rank: its models (loaded at construction) and the loop that scores the stream."""
+
+    def __init__(self, world, cfg, run_dir: Path, rate=None):
+        data_dir = Path(run_dir) / "data"
+        task = load_task(cfg.task, data_dir=data_dir if data_dir.is_dir() else None)
+        self.world = world
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.scorer = ModelScorer(cfg, task.prompts(cfg.run.seed), in_group=True)
+        self.scored, self.busy_s = 0, 0.0
+        self.rate = rate  # runtime.scoring_rate.RateSender: what each batch took, for the progress line
+
+    def run(self, incoming, outgoing) -> int:
+        """Score until every generator node has ended its stream, then end ours to the trainers."""
+        watchdog.beat(0)  # the models are loaded: from here a rank that stops making progress is hung
+        while True:
+            batch = incoming.get_available(ALL, timeout=watchdog.WAIT_SLICE_S)
+            if not len(batch):
+                if incoming.ended:
+                    break
+                watchdog.waiting()  # waiting for the generators is not a hang of this rank
+                continue
+            t0 = time.perf_counter()
+            scored = self.score(batch)
+            seconds = time.perf_counter() - t0
+            outgoing.put(scored)
+            self.scored += len(batch)
+            self.busy_s += seconds
+            if self.rate is not None:
+                self.rate.sent(len(batch), seconds)
+            watchdog.beat()
+        incoming.close()
+        outgoing.close()
+        if self.world.group_rank == 0:
+            print(
+                f"rollout-hpc: reward rank {self.world.rank}: scored {self.scored} samples "
+                f"({self.scored / max(self.busy_s, 1e-9):.1f}/s while busy)"
+            )
+        return 0
+
+    def score(self, batch):
+        """Fill the group's reward parts of one generator put."""
         batch.fixed = batch.fixed.copy()  # it views a received buffer; scoring writes rewards into it
         offsets = batch.offsets("response_len")
-        texts = [tokenizer.decode(batch.response_ids[a:b].tolist()) for a, b in zip(offsets[:-1], offsets[1:])]
+        texts = [self.tokenizer.decode(batch.response_ids[a:b].tolist()) for a, b in zip(offsets[:-1], offsets[1:])]
         keys = [("train", int(i)) for i in batch.fixed["prompt_id"]]
-        outgoing.put(scorer.apply(batch, keys, texts))
-        scored += len(batch)
-        busy += time.perf_counter() - t0
-        watchdog.beat()
-    incoming.close()
-    outgoing.close()
-    if world.group_rank == 0:
-        print(f"rollout-hpc: reward rank {world.rank}: scored {scored} samples ({scored / max(busy, 1e-9):.1f}/s busy)")
-    return 0
+        return self.scorer.apply(batch, keys, texts)

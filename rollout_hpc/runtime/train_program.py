@@ -30,7 +30,8 @@ from rollout_hpc.models.export import init_weights
 from rollout_hpc.runtime import watchdog
 from rollout_hpc.runtime.checkpointing import install_stop_handlers
 from rollout_hpc.runtime.generator_loop import receive_weights, run_generator
-from rollout_hpc.runtime.reward_group import run_reward_group
+from rollout_hpc.runtime.reward_group import RewardGroup
+from rollout_hpc.runtime.scoring_rate import RateReceiver, RateSender
 from rollout_hpc.runtime.trainer_loop import run_trainer
 from rollout_hpc.runtime.world import GENERATOR, REWARD, TRAINER, abort_world
 
@@ -85,14 +86,20 @@ def _reward_rank(world, cfg, run_dir: Path) -> int:
     # groups it joins): the two experience links, then the world's eval communicator and watchdog.
     incoming = Exchange(world, cfg, source=GENERATOR, dest=REWARD)
     outgoing = Exchange(world, cfg, source=REWARD, dest=TRAINER)
-    eval_comm = world.comm.Dup() if cfg.eval else None  # eval results do not pass here; the Dup is collective
+    if cfg.eval:
+        world.comm.Dup()  # the eval results' communicator: they do not pass here, but the Dup is collective
+    rate = RateSender(world.comm.Dup(), log_writer(world))  # a reward group implies rewards.models
     dog = watchdog.Watchdog(world, cfg, run_dir)
     try:
-        return run_reward_group(world, cfg, run_dir, incoming, outgoing)
+        return RewardGroup(world, cfg, run_dir, rate).run(incoming, outgoing)
     finally:
         dog.close()
-        if eval_comm is not None:
-            eval_comm.Free()
+        rate.close()
+
+
+def log_writer(world) -> int:
+    """The world rank of trainer group rank 0, which writes the log and prints the progress line."""
+    return next(r.rank for r in world.ranks if r.role == TRAINER and r.group_rank == 0)
 
 
 def _run(world, cfg, run_dir: Path) -> int:
@@ -109,18 +116,20 @@ def _run(world, cfg, run_dir: Path) -> int:
     weights = WeightSync(world, cfg, poll_interval=0.0005 if cfg.exchange.max_staleness else 0.02)
     # Eval results travel generator group rank 0 -> the log writer on a communicator of their own (collective here).
     eval_comm = world.comm.Dup() if cfg.eval else None
+    rate_comm = world.comm.Dup() if cfg.rewards.models else None  # scoring rates -> the log writer (collective too)
     dog = watchdog.Watchdog(world, cfg, run_dir)  # collective too; ends a job that stopped making progress
     try:
-        return _roles(world, cfg, run_dir, model, tokenizer, exchange, weights, eval_comm)
+        return _roles(world, cfg, run_dir, model, tokenizer, exchange, weights, eval_comm, rate_comm)
     finally:
         dog.close()
 
 
-def _roles(world, cfg, run_dir: Path, model, tokenizer, exchange, weights, eval_comm) -> int:
+def _roles(world, cfg, run_dir: Path, model, tokenizer, exchange, weights, eval_comm, rate_comm) -> int:
     # Orderly shutdown on success only: after an exception the entry point aborts the whole world,
     # because waiting for partners here could block until the time limit.
     if world.is_generator:
-        code = run_generator(world, cfg, run_dir, model, tokenizer, exchange, weights, eval_comm)
+        rate = RateSender(rate_comm, log_writer(world)) if rate_comm is not None else None
+        code = run_generator(world, cfg, run_dir, model, tokenizer, exchange, weights, eval_comm, rate)
         try:  # keep taking part in weight broadcasts until the trainers close the stream
             while True:
                 receive_weights(weights, 1 << 62)
@@ -129,7 +138,10 @@ def _roles(world, cfg, run_dir: Path, model, tokenizer, exchange, weights, eval_
         exchange.close()
         weights.close()
         return code
-    code = run_trainer(world, cfg, run_dir, model, exchange, weights, eval_comm=eval_comm, tokenizer=tokenizer)
+    rates = RateReceiver(rate_comm) if rate_comm is not None and world.group_rank == 0 else None
+    code = run_trainer(
+        world, cfg, run_dir, model, exchange, weights, eval_comm=eval_comm, tokenizer=tokenizer, rates=rates
+    )
     weights.close()
     try:  # returns once every generator has sent END; after a stop, a generator stuck in its step must not hold the job
         exchange.close(timeout=None if code == 0 else STOP_GRACE_S)

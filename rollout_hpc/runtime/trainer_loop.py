@@ -220,6 +220,7 @@ def run_trainer(
     quiet: bool = False,
     eval_comm=None,
     tokenizer=None,
+    rates=None,
 ) -> int:
     a = cfg.algorithm
     trainer, reference, critic, loss_fn = build_learner(cfg, model, world)
@@ -287,6 +288,8 @@ def run_trainer(
                 m = batch_metrics(batch, step)
                 m.update(adv_stats)
                 m.update(stats)
+                if rates is not None:  # runtime.scoring_rate: the reward models' samples per second of scoring
+                    m.update(rates.take())
                 period = t_synced - t_prev  # the whole loop iteration, logging and checkpointing of the last included
                 m.update(
                     idle_time=t_got - t0,  # waiting for the step's experience
