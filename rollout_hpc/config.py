@@ -891,9 +891,15 @@ class Config(_Section):
                 "or use placement: disaggregated"
             )
         for m in models:
-            if m.backend == "vllm":
+            if m.backend == "vllm" and m.kind != "judge":
                 raise ValueError(
-                    f"rewards.models {m.name}: backend 'vllm' is not available for reward models yet; use backend: hf"
+                    f"rewards.models {m.name}: backend 'vllm' serves judges (generation); a classifier scores with "
+                    "backend: hf (one forward pass per batch)"
+                )
+            if m.backend == "vllm" and (m.nodes == 0 or self.rewards.group.gpus_per_task < 1):
+                raise ValueError(
+                    f"rewards.models {m.name}: backend 'vllm' runs its own engine on a GPU of its own: put it on the "
+                    "reward group (nodes: 1 or more) with rewards.group.gpus_per_task >= 1, or use backend: hf"
                 )
             for d in m.domains or []:
                 if d not in known:

@@ -81,7 +81,27 @@ class TrainerError(UserError):
 
 
 class VLLMUnavailable(ConfigError):
-    """generator.backend 'vllm' without vLLM or a GPU; the message says what to do."""
+    """backend 'vllm' (a generator or a judge) without vLLM or a GPU; the message says what to do."""
+
+
+def vllm_needs(what: str) -> str:
+    return f"{what} needs vLLM and a GPU; install with pip install vllm on a GPU node, or use backend hf"
+
+
+def import_vllm(what: str = "generator.backend 'vllm'"):
+    """vllm, or VLLMUnavailable saying what needs it and how to get it (vLLM missing, or no GPU visible). Here, with
+    its error, so that every layer that serves a model with vLLM (backends, rewards) shares one answer."""
+    import os
+
+    try:
+        import vllm  # a heavy optional dependency (GPU nodes only)
+    except ImportError as exc:
+        raise VLLMUnavailable(f"{vllm_needs(what)} (import failed: {exc})") from None
+    import torch
+
+    if not torch.cuda.is_available():
+        raise VLLMUnavailable(f"{vllm_needs(what)} (no CUDA device is visible on {os.uname().nodename})")
+    return vllm
 
 
 class ExportError(UserError):

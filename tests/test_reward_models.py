@@ -151,7 +151,12 @@ def rm_overrides(path, **kw) -> list[str]:
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({"backend": "vllm"}, "backend 'vllm' is not available"),
+        ({"backend": "vllm"}, "backend 'vllm' serves judges"),
+        (
+            {"backend": "vllm", "kind": "judge"},
+            "put it on the reward group (nodes: 1 or more) with rewards.group.gpus_per_task >= 1",
+        ),
+        ({"backend": "vllm", "kind": "judge", "nodes": 1}, "rewards.group.gpus_per_task >= 1, or use backend: hf"),
         ({"domains": "[math]"}, "domains names 'math', which is not a source"),
         ({"template": "'{question}'"}, "template is for kind 'judge'"),
         ({"kind": "judge", "pattern": "'no group'"}, "has no group"),
@@ -162,6 +167,29 @@ def rm_overrides(path, **kw) -> list[str]:
 def test_config_refuses_what_cannot_run(tmp_path, extra, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, rm_overrides(tmp_path, **extra))
+
+
+@pytest.mark.gpu  # skipped only where vLLM and a GPU are present
+def test_a_vllm_judge_says_what_it_needs(models):
+    import torch
+
+    from rollout_hpc.errors import VLLMUnavailable
+
+    try:
+        import vllm  # noqa: F401
+
+        if torch.cuda.is_available():
+            pytest.skip("vLLM and a GPU are present")
+    except ImportError:
+        pass
+    judge = spec("judge", models["judge"], "judge", backend="vllm", nodes=1)
+    with pytest.raises(
+        VLLMUnavailable, match=r"rewards.models judge: backend 'vllm' needs vLLM and a GPU.*use backend hf"
+    ):
+        load_reward_model(judge)
+    assert load_config(
+        None, [*rm_overrides(models["judge"], kind="judge", backend="vllm", nodes=1), "rewards.group.gpus_per_task=1"]
+    )
 
 
 def test_a_reward_group_is_a_third_het_component_after_the_trainers(tmp_path):

@@ -17,21 +17,11 @@ from typing import Any
 
 import torch
 
-from rollout_hpc.errors import VLLMUnavailable
+from rollout_hpc.errors import VLLMUnavailable, import_vllm, vllm_needs  # noqa: F401 (re-exported)
 
 from .generator import Generation, Generator, SamplingParams, cut_at_stop_strings
 
-NEEDS = "generator.backend 'vllm' needs vLLM and a GPU; install with pip install vllm on a GPU node, or use backend hf"
-
-
-def _import_vllm():
-    try:
-        import vllm  # in here: a heavy optional dependency (GPU nodes only)
-    except ImportError as exc:
-        raise VLLMUnavailable(f"{NEEDS} (import failed: {exc})") from None
-    if not torch.cuda.is_available():
-        raise VLLMUnavailable(f"{NEEDS} (no CUDA device is visible on {os.uname().nodename})")
-    return vllm
+NEEDS = vllm_needs("generator.backend 'vllm'")
 
 
 def _load_weights_on_worker(worker, weights: list[tuple[str, Any]]) -> None:
@@ -54,7 +44,7 @@ class VLLMGenerator(Generator):
         # Weight updates call a function of ours in vLLM's workers (collective_rpc); recent vLLM only pickles a
         # function across its own engine processes (all on this node, this rank's children) when this is set.
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        vllm = _import_vllm()
+        vllm = import_vllm()
         self.tokenizer, self.task, self.sampling, self.seed = tokenizer, task, sampling, seed
         self._vllm = vllm
         path = model_cfg.path

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout_hpc.errors import RewardError
+from rollout_hpc.errors import RewardError, import_vllm
 
 DEFAULT_JUDGE_TEMPLATE = (
     "Rate how well the response answers the question, from 0 (wrong or useless) to 10 (correct and complete).\n"
@@ -215,6 +215,19 @@ class ClassifierRewardModel(_HFRewardModel):
         return self.torch.softmax(logits, dim=-1)[:, self.label].cpu().numpy().astype(np.float64)
 
 
+def judge_prompt(tokenizer, template: str, question, response: str, answer) -> str:
+    """The judge's input: the template filled in, through the tokenizer's chat template (with the generation prompt)
+    when it has one."""
+    text = fill_template(template, _question_text(question), response, "" if answer is None else str(answer))
+    if getattr(tokenizer, "chat_template", None):
+        return str(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
+        )
+    return text
+
+
 class JudgeRewardModel(_HFRewardModel):
     padding_side = "left"  # generation continues every row from its last token
 
@@ -225,14 +238,7 @@ class JudgeRewardModel(_HFRewardModel):
         self.last_replies: list[str] = []  # the last batch's replies (tests, debugging a pattern)
 
     def prompt(self, question, response: str, answer) -> str:
-        text = fill_template(self.template, _question_text(question), response, "" if answer is None else str(answer))
-        if self.has_chat_template:
-            return str(
-                self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-                )
-            )
-        return text
+        return judge_prompt(self.tokenizer, self.template, question, response, answer)
 
     def _score_batch(self, questions: list, responses: list[str], answers: list) -> np.ndarray:
         enc = self._encode([self.prompt(q, r, a) for q, r, a in zip(questions, responses, answers)])
@@ -247,8 +253,45 @@ class JudgeRewardModel(_HFRewardModel):
         return np.array([parse_score(self.pattern, r) for r in replies], np.float64)
 
 
-def load_reward_model(spec, device: str | None = None) -> _HFRewardModel:
-    """The reward model of one rewards.models entry (backend hf)."""
+class VLLMJudge:
+    """A judge served by vLLM (backend vllm, on a reward rank's own GPU): the same prompt, greedy reply and parsing as
+    JudgeRewardModel; vLLM schedules the whole call itself (continuous batching), so batch_size does not apply."""
+
+    def __init__(self, spec, gpu_memory_utilization: float = 0.85):
+        vllm = import_vllm(f"rewards.models {spec.name}: backend 'vllm'")
+        import transformers
+
+        check_reward_model(spec)
+        self.spec, self.name = spec, spec.name
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(spec.path)
+        self.tokenizer.truncation_side = "left"  # the response's end is what is judged
+        self.template = spec.template or DEFAULT_JUDGE_TEMPLATE
+        self.pattern = re.compile(spec.pattern)
+        self.llm = vllm.LLM(
+            model=spec.path,
+            dtype="auto",
+            seed=0,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=spec.max_length + spec.max_new_tokens,
+        )
+        self.params = vllm.SamplingParams(temperature=0.0, max_tokens=spec.max_new_tokens)
+        self.last_replies: list[str] = []
+
+    def score(self, questions: Sequence, responses: Sequence[str], answers: Sequence[Any]) -> np.ndarray:
+        texts = [judge_prompt(self.tokenizer, self.template, q, r, a) for q, r, a in zip(questions, responses, answers)]
+        ids = self.tokenizer(texts, truncation=True, max_length=self.spec.max_length, add_special_tokens=False)[
+            "input_ids"
+        ]
+        outputs = self.llm.generate([{"prompt_token_ids": list(x)} for x in ids], self.params, use_tqdm=False)
+        self.last_replies = [o.outputs[0].text for o in outputs]
+        return np.array([parse_score(self.pattern, r) for r in self.last_replies], np.float64)
+
+
+def load_reward_model(spec, device: str | None = None):
+    """The reward model of one rewards.models entry: a classifier or a judge on transformers (backend hf), or a judge
+    on vLLM (backend vllm)."""
+    if spec.backend == "vllm":
+        return VLLMJudge(spec)
     if spec.kind == "classifier":
         return ClassifierRewardModel(spec, device)
     return JudgeRewardModel(spec, device)

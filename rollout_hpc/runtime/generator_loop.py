@@ -212,7 +212,7 @@ def make_evaluator(world, cfg, gen, task, workers, eval_comm):
     rows = eval_prompts(task, cfg.run.seed)
     if rows is None or (workers is None and not is_multi_turn(task)):
         return None  # refused at submit time (commands check it)
-    logger = next(r.rank for r in world.ranks if r.role == "trainer" and r.group_rank == 0)
+    logger = world.log_writer
     return Evaluator(world, cfg, gen, rows, workers, eval_comm, logger)
 
 

@@ -88,18 +88,13 @@ def _reward_rank(world, cfg, run_dir: Path) -> int:
     outgoing = Exchange(world, cfg, source=REWARD, dest=TRAINER)
     if cfg.eval:
         world.comm.Dup()  # the eval results' communicator: they do not pass here, but the Dup is collective
-    rate = RateSender(world.comm.Dup(), log_writer(world))  # a reward group implies rewards.models
+    rate = RateSender(world.comm.Dup(), world.log_writer)  # a reward group implies rewards.models
     dog = watchdog.Watchdog(world, cfg, run_dir)
     try:
         return RewardGroup(world, cfg, run_dir, rate).run(incoming, outgoing)
     finally:
         dog.close()
         rate.close()
-
-
-def log_writer(world) -> int:
-    """The world rank of trainer group rank 0, which writes the log and prints the progress line."""
-    return next(r.rank for r in world.ranks if r.role == TRAINER and r.group_rank == 0)
 
 
 def _run(world, cfg, run_dir: Path) -> int:
@@ -128,7 +123,7 @@ def _roles(world, cfg, run_dir: Path, model, tokenizer, exchange, weights, eval_
     # Orderly shutdown on success only: after an exception the entry point aborts the whole world,
     # because waiting for partners here could block until the time limit.
     if world.is_generator:
-        rate = RateSender(rate_comm, log_writer(world)) if rate_comm is not None else None
+        rate = RateSender(rate_comm, world.log_writer) if rate_comm is not None else None
         code = run_generator(world, cfg, run_dir, model, tokenizer, exchange, weights, eval_comm, rate)
         try:  # keep taking part in weight broadcasts until the trainers close the stream
             while True:

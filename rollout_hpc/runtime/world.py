@@ -108,6 +108,11 @@ class World:
         return self.role == TRAINER
 
     @property
+    def log_writer(self) -> int:
+        """The world rank of trainer group rank 0, which writes the log and prints the progress line."""
+        return next(r.rank for r in self.ranks if r.role == TRAINER and r.group_rank == 0)
+
+    @property
     def is_node_leader(self) -> bool:
         return self.local_rank == 0
 
