@@ -302,7 +302,7 @@ def test_a_reward_pool_counts_hostile_samples_as_errors_and_goes_on(tmp_path, li
         "name": "dataset",
         "reward": "code",
         "reward_timeout": 20,
-        "params": {"train": str(tmp_path / "train.parquet"), "code_timeout_s": 1.5, "code_memory_mb": 256},
+        "params": {"train": str(tmp_path / "train.parquet"), "code_timeout_s": 3.0, "code_memory_mb": 256},
     }
     texts = [fenced(ADD), "no code at all", *(fenced(p + ADD) for p, _ in programs.values()), fenced(ADD)]
     with RewardPool("rollout_hpc.envs.scoring:task_scorer", (task_cfg, 0, None), n_workers=2, timeout_s=20) as pool:

@@ -26,6 +26,8 @@ def job_log(run_dir: Path, job_id: str) -> str:
     )
 
 
+@pytest.mark.soak  # ~3 min: the warning -> requeue path is in test_slurm_cluster.py, the USR1 -> checkpoint -> exit 75
+# -> requeue -> resume path in test_reward_models_run.py (scancel --signal=USR1 --batch); this one waits for slurmctld
 def test_time_limit_warning_requeues_and_the_run_finishes(slurm_cluster, tmp_path):
     # A 2-minute limit, warned 60 s before. slurmctld checks limits every 30 s and sends the warning once the
     # limit is within warning + 30 s, so USR1 comes 30-60 s into each allocation (a lead near the whole limit

@@ -50,7 +50,8 @@ rewards:
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory, rewards_yaml):
     tmp = tmp_path_factory.mktemp("whole")
-    done = cli("submit", write_run_config(tmp, "whole", extra=rewards_yaml), "--local", "--run-dir", tmp / "w", cwd=tmp)
+    config = write_run_config(tmp, "whole", sleep=0.0, extra=rewards_yaml)  # the reference: nothing to interrupt
+    done = cli("submit", config, "--local", "--run-dir", tmp / "w", cwd=tmp)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return tmp / "w", done.stdout
 

@@ -1,4 +1,4 @@
-"""`rollout-hpc plan --check` against real runs (the Slurm one is marked `scalecheck`: `pytest -m scalecheck`): one profile predicts the mean step time of runs of other layouts
+"""`rollout-hpc plan --check` against real runs (the accuracy checks are marked `scalecheck`: `pytest -m scalecheck`): one profile predicts the mean step time of runs of other layouts
 within 25 %, under the local launcher (disaggregated and colocated, on-policy and async) and as het jobs on the
 real local Slurm cluster (generator and trainer groups of different sizes, on-policy and async).
 
@@ -106,6 +106,7 @@ def predicted_runs(layouts: dict[str, list[str]], run, profile: Path, cwd: Path)
     return results
 
 
+@pytest.mark.scalecheck  # ~1.5 min of runs; the command chain itself is in the default run (the test above)
 def test_local_layouts_are_predicted_from_one_profile(tmp_path):
     config = write_config(tmp_path, "local")
     profile = tmp_path / "local.profile.json"

@@ -447,5 +447,5 @@ class _as_role:
     """The thread count a rank of `role` gets (cpu_threads reads only these attributes)."""
 
     def __init__(self, world, role: str):
-        self.is_generator = role == "generator"
+        self.role = role
         self.local_size = world.local_size
