@@ -136,8 +136,9 @@ def components(cfg: Config, run_dir: Path) -> list[Component]:
         Component("generator", job_wide[:1] + _group_options(cfg, cfg.generator) + job_wide[1:]),
         Component("trainer", _group_options(cfg, cfg.trainer)),
     ]
-    if cfg.reward_group is not None:
-        out.append(Component("reward", _group_options(cfg, cfg.reward_group)))
+    group = cfg.reward_group  # derived from rewards.models on each access
+    if group is not None:
+        out.append(Component("reward", _group_options(cfg, group)))
     for component in out:  # config validation refuses these already; the script must never depend on it
         for option in component.options:
             _one_line(option, "#SBATCH option")

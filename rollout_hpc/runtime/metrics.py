@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from rollout_hpc.rewards.mixing import metric_key, models_in_metrics
+from rollout_hpc.runtime.scoring_rate import METRIC as RATE_METRIC
 from rollout_hpc.runtime.step_plan import domain_names
 from rollout_hpc.store.trajlog import TrajectoryLog, log_path
 from rollout_hpc.store.trajlog import read_metrics as read_log_metrics
@@ -120,8 +121,8 @@ def _reward_model_fields(m: dict[str, float]) -> list[str]:
         if failures:
             text += f" ({failures:.0f} unparsed)"
         out.append(text)
-    if out and "rm_samples_per_s" in m:  # runtime.scoring_rate: per scoring process, while it scores
-        out.append(f"rm {m['rm_samples_per_s']:.0f} samples/s")
+    if out and RATE_METRIC in m:  # runtime.scoring_rate: per scoring process, while it scores
+        out.append(f"rm {m[RATE_METRIC]:.0f} samples/s")
     return out
 
 
