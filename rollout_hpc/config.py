@@ -359,6 +359,27 @@ class RewardGroupSection(TaskResources):
     """Resources of each rank of the reward group (the models with nodes > 0; their nodes and tasks_per_node size it)."""
 
 
+class EnvsSection(TaskResources):
+    """Where a multi-turn task's environments run (docs/agentic.md "Environment workers"): in threads of each
+    generator rank (the default), in worker processes beside it (workers), or on a het group of their own (nodes)."""
+
+    workers: int = Field(
+        0,
+        ge=0,
+        description="Environment worker processes per rank that hosts environments (a generator rank, or an "
+        "environment rank when nodes > 0); 0: threads of that rank. Processes keep a simulator's CPU work off the "
+        "rank's interpreter lock, and a crash of one ends its episodes, not the run.",
+    )
+    nodes: int = Field(
+        0,
+        ge=0,
+        description="> 0: the environments run on an environment group of their own, a het component of this many "
+        "nodes after the trainers (CPU-only unless gpus_per_task); generator rank g's episodes step on environment "
+        "rank g mod (nodes x tasks_per_node).",
+    )
+    tasks_per_node: int = Field(1, ge=1, description="Environment ranks per node of the environment group.")
+
+
 class RewardsSection(_Section):
     """Learned rewards next to the task's rule reward: reward = rule_weight x rule + sum of weight x score."""
 
@@ -738,6 +759,7 @@ class Config(_Section):
     model: ModelSection = Field(default_factory=ModelSection)
     task: TaskSection = Field(default_factory=TaskSection)
     rewards: RewardsSection = Field(default_factory=RewardsSection)
+    envs: EnvsSection = Field(default_factory=EnvsSection)
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
     generator: GeneratorSection = Field(default_factory=GeneratorSection)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
@@ -945,10 +967,30 @@ class Config(_Section):
         )
 
     @property
+    def env_group(self) -> GroupSection | None:
+        """The environment group's layout and resources (the het component after the trainers and the reward group),
+        or None: each generator rank hosts its own environments (envs.nodes: 0)."""
+        if not self.envs.nodes:
+            return None
+        resources = self.envs.model_dump(exclude={"workers", "nodes", "tasks_per_node"})
+        return GroupSection(nodes=self.envs.nodes, tasks_per_node=self.envs.tasks_per_node, **resources)
+
+    @property
+    def het_groups(self) -> list[tuple[str, GroupSection, str]]:
+        """(role, layout, the config key that sets its nodes) of every group of the run, in world-rank and het
+        component order: generator, trainer, then the reward group and the environment group if the config has them."""
+        out = [("generator", self.generator, "generator"), ("trainer", self.trainer, "trainer")]
+        reward, env = self.reward_group, self.env_group
+        if reward is not None:
+            out.append(("reward", reward, "rewards.models[]"))
+        if env is not None:
+            out.append(("env", env, "envs"))
+        return out
+
+    @property
     def world_size(self) -> int:
-        """Ranks of the MPI world: generators, then trainers, then the reward group (if any), in that order."""
-        group = self.reward_group
-        return self.generator.ranks + self.trainer.ranks + (group.ranks if group else 0)
+        """Ranks of the MPI world: generators, then trainers, then the reward and environment groups (if any)."""
+        return sum(group.ranks for _, group, _ in self.het_groups)
 
     def resolved(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -57,7 +57,7 @@ def make_env(slippery=False):
 """
 
 
-def write_config(directory: Path, name: str, delay: float = 0.02) -> Path:
+def write_config(directory: Path, name: str, delay: float = 0.02, envs: str = "{}") -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     crash = {episode_seed(0, p) for p in range(0, STEPS * PROMPTS, 5)}
     (directory / "slow_lake.py").write_text(SLOW_LAKE.format(delay=delay, crash=crash))
@@ -73,6 +73,7 @@ model: {{max_seq_len: 200}}
 algorithm: {{steps: {STEPS}, prompts_per_step: {PROMPTS}, group_size: {GROUP}, max_new_tokens: 1}}
 checkpoint: {{every_steps: 3, keep_last: 3}}
 eval: {{every_steps: 4, max_prompts: 6}}
+envs: {envs}
 """)
     return path
 
@@ -125,8 +126,11 @@ def test_episodes_through_the_loop_with_counted_environment_errors(reference):
 
 
 def test_stopped_mid_episode_and_resumed_equals_an_uninterrupted_run(tmp_path, reference):
+    """With the environments on an environment rank of their own (a third group), stepped there in two worker
+    processes: where they live changes nothing, a stop included."""
     run_dir = tmp_path / "cut"
-    run = Interruptible("submit", write_config(tmp_path, "cut"), "--local", "--run-dir", run_dir, cwd=tmp_path)
+    config = write_config(tmp_path, "cut", envs="{nodes: 1, workers: 2}")
+    run = Interruptible("submit", config, "--local", "--run-dir", run_dir, cwd=tmp_path)
     run.wait_for_step(3)
     log = tmp_path / "turns.log"
     seen = len(log.read_text().splitlines())
@@ -151,11 +155,10 @@ def test_stopped_mid_episode_and_resumed_equals_an_uninterrupted_run(tmp_path, r
 
 @pytest.mark.slurm
 def test_episodes_in_a_slurm_het_job_match_the_local_run(slurm_cluster, tmp_path, reference):
-    """The same run as a het job on the local Slurm cluster (generator and trainer groups on nodes of their own, the
-    environments stepped in the generator's allocation): the local run's weights and episodes, each once."""
-    done = cli(
-        "submit", write_config(tmp_path, "het"), "--set", "launcher=slurm", "--run-dir", tmp_path / "het", cwd=tmp_path
-    )
+    """The same run as a het job on the local Slurm cluster, with the environments on an environment group of their
+    own (a third het component): the local run's weights and episodes, each once."""
+    config = write_config(tmp_path, "het", envs="{nodes: 1}")
+    done = cli("submit", config, "--set", "launcher=slurm", "--run-dir", tmp_path / "het", cwd=tmp_path)
     job_id = submitted_job(done)
     state = slurm_cluster.wait_job(int(job_id), timeout=300)
     logs = "".join(p.read_text() for p in sorted((tmp_path / "het" / "logs").glob(f"slurm-{job_id}.*")))

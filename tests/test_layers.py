@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
         "trajectory",
         "rundir_layout",
         "_ring",
+        "worker_process",
     ),  # contracts every layer shares; import nothing of ours
     ("algos",),  # the algorithm table (the config reads its names) and pure torch functions; imports nothing of ours
     ("config",),

@@ -193,7 +193,7 @@ def test_a_vllm_judge_says_what_it_needs(models):
 
 
 def test_a_reward_group_is_a_third_het_component_after_the_trainers(tmp_path):
-    from rollout_hpc.commands.prepare import allocation_layout
+    from rollout_hpc.commands.prepare import allocation_layout, extra_components
     from rollout_hpc.launch.local import mpirun_command
     from rollout_hpc.launch.render import render_script
 
@@ -219,7 +219,7 @@ def test_a_reward_group_is_a_third_het_component_after_the_trainers(tmp_path):
         for i, (n, t) in enumerate([("1", "1"), ("2", "1"), ("4", "2(x4)")])
         for k, v in (("JOB_NUM_NODES", n), ("TASKS_PER_NODE", t))
     }
-    layout = allocation_layout(env, grouped=[0, 2])
+    layout = allocation_layout(env, extra=extra_components(cfg))
     assert layout[-4:] == [
         "rewards.models[0].nodes=4",
         "rewards.models[0].tasks_per_node=2",
@@ -227,8 +227,8 @@ def test_a_reward_group_is_a_third_het_component_after_the_trainers(tmp_path):
         "rewards.models[2].tasks_per_node=2",
     ]
     with pytest.raises(UserError, match="3 components"):
-        allocation_layout(dict(env, SLURM_HET_SIZE="2"), grouped=[0])
-    with pytest.raises(UserError, match="a third component needs rewards.models with nodes > 0"):
+        allocation_layout(dict(env, SLURM_HET_SIZE="2"), extra=extra_components(cfg))
+    with pytest.raises(UserError, match="a component after the trainers needs rewards.models with nodes > 0"):
         allocation_layout(env)
 
 

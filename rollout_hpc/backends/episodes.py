@@ -1,7 +1,8 @@
 """Batched multi-turn episodes: a generator rank steps many environments at once.
 
 Every turn, the next prompts of all live episodes go to the generator in one batched call; then every live
-environment steps (each in its own thread, under a deadline: envs/guard.py). A finished episode leaves the batch
+environment steps, all in one batched call to the rank's environment host (envs/hosts.py: threads of the rank, worker
+processes, or an environment rank of its own het group; each call under a deadline). A finished episode leaves the batch
 and the next waiting one joins it, so at most `parallel_envs` environments are live. An episode's tokens grow by
 appending (its context is never re-encoded): the first observation is the prompt; the response is every model turn
 (loss_mask 1, trained on) and every observation after it (loss_mask 0, no gradient), `turn_starts` marking where
@@ -14,14 +15,13 @@ recorded with episode_status EPISODE_ERROR / EPISODE_TIMEOUT, reward 0 and no tr
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rollout_hpc.envs.guard import EnvFailure, GuardedEnv
+from rollout_hpc.envs.hosts import Call, EnvHost, Reply, ThreadEnvs
 from rollout_hpc.errors import TaskError
 from rollout_hpc.trajectory import EPISODE_OK, EPISODE_TIMEOUT, REWARD_ERROR, REWARD_OK, REWARD_TIMEOUT
 
@@ -87,54 +87,68 @@ def rollout_episodes(
     max_context: int | None = None,
     settings: EpisodeSettings = EpisodeSettings(),
     labels: Sequence[str] | None = None,
+    host: EnvHost | None = None,
 ) -> list[Episode]:
     """Play one episode per item, at most settings.parallel_envs at a time. `envs`: one environment per item, or
     make(i) -> a fresh environment for episode i (called in the episode's thread, so it may fail like a step).
-    labels: what the rank's log calls episode i when its environment fails (default "episode i")."""
-    make: Callable[[int], Any] = envs if callable(envs) else envs.__getitem__
+    host: where the environments live (envs/hosts.py; keys are the episode indices); default: threads of this
+    process, built by `envs`. labels: what the rank's log calls episode i when its environment fails."""
+    own_host = host is None
+    if host is None:
+        make: Callable[[int], Any] = envs if callable(envs) else envs.__getitem__
+        host = ThreadEnvs(make, settings.step_timeout)  # type: ignore[arg-type]
+    try:
+        return _play(host, items, generate_fn, tokenizer, max_new_tokens, max_context, settings, labels)
+    finally:
+        if own_host:
+            host.close()
+
+
+def _play(host: EnvHost, items, generate_fn, tokenizer, max_new_tokens, max_context, settings, labels) -> list[Episode]:
     n = len(items)
     eps: list[Episode] = [Episode([]) for _ in range(n)]
-    guards: dict[int, GuardedEnv] = {}
     turns = [0] * n
     limit = [0] * n  # each episode's max_turns: task.env.max_turns capped by the environment's own
     waiting = deque(range(n))
     live: list[int] = []
+    closing: list[Call] = []  # episodes that ended: their environments close with the next batch of calls
 
-    def end(i: int, failure: EnvFailure | None = None) -> None:
-        guards.pop(i).close()
-        if failure is not None:  # counted, not trained on: the environment's fault, not the policy's
-            ep = eps[i]
-            ep.status, ep.error, ep.reward, ep.truncated = failure.status, str(failure), 0.0, True
-            ep.loss_mask = [0] * len(ep.response_ids)
-            ep.turn_rewards = [0.0] * len(ep.turn_starts)  # stand-ins, as the reward
-            if not ep.prompt_ids:  # the first observation never came: a placeholder prompt
-                ep.prompt_ids = tokenizer.encode_prompt("") or [tokenizer.eos_id]
-            who = labels[i] if labels is not None else f"episode {i}"
-            where = f"turn {turns[i]}" if turns[i] else "start"
-            print(f"environment of {who}, {where}: {failure}; the episode ends", file=sys.stderr)
+    def end(i: int, failure: Reply | None = None) -> None:
+        if failure is None:
+            closing.append((i, "close", None))
+            return
+        # counted, not trained on: the environment's fault, not the policy's (the host has closed it)
+        ep = eps[i]
+        ep.status, ep.error, ep.reward, ep.truncated = failure.status, failure.error, 0.0, True
+        ep.loss_mask = [0] * len(ep.response_ids)
+        ep.turn_rewards = [0.0] * len(ep.turn_starts)  # stand-ins, as the reward
+        if not ep.prompt_ids:  # the first observation never came: a placeholder prompt
+            ep.prompt_ids = tokenizer.encode_prompt("") or [tokenizer.eos_id]
+        who = labels[i] if labels is not None else f"episode {i}"
+        where = f"turn {turns[i]}" if turns[i] else "start"
+        print(f"environment of {who}, {where}: {failure.error}; the episode ends", file=sys.stderr)
+
+    def calls(batch: list[Call]) -> dict:
+        batch = closing + batch
+        closing.clear()
+        return host.run(batch)
 
     def start(new: list[int]) -> list[int]:
-        for i in new:
-            guards[i] = GuardedEnv(functools.partial(make, i), settings.step_timeout)
-            guards[i].start("reset", items[i])
+        replies = calls([(i, "reset", items[i]) for i in new])
         started = []
         for i in new:
-            try:
-                first = tokenizer.encode_prompt(guards[i].result())
-            except EnvFailure as failure:
-                end(i, failure)
+            reply = replies[i]
+            if not reply.ok:
+                end(i, reply)
                 continue
+            first = tokenizer.encode_prompt(reply.value)
             if max_context is not None and len(first) + max_new_tokens > max_context:
-                for g in guards.values():
-                    g.close()
                 raise TaskError(
                     f"a first observation of {len(first)} tokens plus max_new_tokens={max_new_tokens} exceeds the "
                     f"model's context of {max_context} tokens; raise model.max_seq_len or shorten the task's observations"
                 )
-            caps = [t for t in (guards[i].max_turns, settings.max_turns) if t is not None]
+            caps = [t for t in (reply.max_turns, settings.max_turns) if t is not None]
             if not caps:
-                for g in guards.values():
-                    g.close()
                 raise TaskError("the task's environment has no max_turns attribute: set task.env.max_turns")
             limit[i] = min(caps)
             eps[i].prompt_ids = first
@@ -147,6 +161,7 @@ def rollout_episodes(
         if not live:
             continue
         gen = generate_fn([eps[i].prompt_ids + eps[i].response_ids for i in live], live)
+        steps: list[Call] = []
         for k, i in enumerate(live):
             ep, ids = eps[i], gen.response_ids[k]
             ep.turn_starts.append(len(ep.response_ids))
@@ -154,15 +169,15 @@ def rollout_episodes(
             ep.logprobs += gen.logprobs[k]
             ep.loss_mask += [1] * len(ids)
             turns[i] += 1
-            guards[i].start("step", tokenizer.decode(ids))
+            steps.append((i, "step", tokenizer.decode(ids)))
+        replies = calls(steps)
         still = []
         for i in live:
-            ep = eps[i]
-            try:
-                obs, reward, done, info = guards[i].result()
-            except EnvFailure as failure:
-                end(i, failure)
+            ep, reply = eps[i], replies[i]
+            if not reply.ok:
+                end(i, reply)
                 continue
+            obs, reward, done, info = reply.value
             if _format_error(info):
                 ep.format_errors += 1
                 reward -= settings.format_penalty
@@ -186,4 +201,6 @@ def rollout_episodes(
             ep.loss_mask += [0] * len(obs_ids)
             still.append(i)
         live = still
+    if closing:
+        calls([])
     return eps

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from rollout_hpc.envs.base import dataset_item, is_multi_turn
+from rollout_hpc.envs.hosts import EnvHost
 from rollout_hpc.models.prompting import encode_prompt_item
 from rollout_hpc.trajectory import TrajectoryBatch
 
@@ -165,6 +166,7 @@ class Generator:
     max_context: int | None
     episodes: EpisodeSettings | None = None  # task.env of a multi-turn task (set by the generator loop)
     max_tokens_per_turn: int | None = None  # task.env.max_tokens_per_turn (default: sampling.max_new_tokens)
+    env_host: EnvHost | None = None  # where the environments live (envs/hosts.py); None: threads of this rank
 
     def generate(
         self, prompts: list[list[int]], seeds: list[int], params: SamplingParams | None = None, cache_keys=None
@@ -219,6 +221,7 @@ class Generator:
                 self.max_context,
                 settings,
                 labels,
+                host=self.env_host,
             )
         finally:
             self.forget_prefixes()

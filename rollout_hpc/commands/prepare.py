@@ -32,31 +32,48 @@ def _tasks_per_node(spec: str) -> int:
     return counts.pop()
 
 
-def allocation_layout(env: Mapping[str, str] = os.environ, grouped: Sequence[int] = ()) -> list[str]:
-    """--set overrides giving each group the nodes and tasks per node of this het allocation. `grouped`: the
-    indices of the config's rewards.models with nodes > 0, which a third component (the reward group) sizes."""
-    want = "3" if grouped else "2"
+def extra_components(cfg) -> list[tuple[str, list[str]]]:
+    """The het components after the generators and trainers that cfg asks for: (role, the config keys their size
+    sets): the reward group (every rewards.models entry with nodes > 0), the environment group (envs)."""
+    out = []
+    grouped = [f"rewards.models[{m}]" for m, spec in enumerate(cfg.rewards.models) if spec.nodes > 0]
+    if grouped:
+        out.append(("reward", grouped))
+    if cfg.envs.nodes:
+        out.append(("env", ["envs"]))
+    return out
+
+
+_HOW = {"reward": "rewards.models with nodes > 0", "env": "envs.nodes > 0"}
+
+
+def allocation_layout(env: Mapping[str, str] = os.environ, extra: Sequence[tuple[str, list[str]]] = ()) -> list[str]:
+    """--set overrides giving each group the nodes and tasks per node of this het allocation. `extra`: the components
+    after the trainers (extra_components of the config), each sized by the allocation's component of its index."""
+    groups = [(g, [g]) for g in GROUPS] + list(extra)
+    want = str(len(groups))
     if env.get("SLURM_HET_SIZE") != want:
-        roles = "generators, trainers, reward models" if grouped else "generators, trainers"
+        roles = ", ".join(f"{role}s" for role, _ in groups)
+        got = env.get("SLURM_HET_SIZE", "unset")
+        hint = (
+            f"; a component after the trainers needs {' or '.join(_HOW.values())} in the config"
+            if got.isdigit() and int(got) > len(groups)
+            else f", one before each group after the first, or set {' and '.join(_HOW[r] for r, _ in extra)} to 0"
+            if extra
+            else ""
+        )
         raise UserError(
-            f"this job is not a heterogeneous job of {want} components ({roles}): SLURM_HET_SIZE is "
-            f"{env.get('SLURM_HET_SIZE', 'unset')}. Keep the '#SBATCH hetjob' lines of slurm/rollout.sbatch"
-            + (
-                ", one before each group, or set the reward models' nodes: 0"
-                if grouped
-                else "; a third component needs rewards.models with nodes > 0 in the config"
-            )
-            + "."
+            f"this job is not a heterogeneous job of {want} components ({roles}): SLURM_HET_SIZE is {got}. "
+            f"Keep the '#SBATCH hetjob' lines of slurm/rollout.sbatch{hint}."
         )
     overrides = []
-    for index, group in enumerate(GROUPS + (("reward",) if grouped else ())):
+    for index, (group, keys) in enumerate(groups):
         nodes = env.get(f"SLURM_JOB_NUM_NODES_HET_GROUP_{index}") or env.get(f"SLURM_NNODES_HET_GROUP_{index}")
         per_node = env.get(f"SLURM_NTASKS_PER_NODE_HET_GROUP_{index}") or env.get(
             f"SLURM_TASKS_PER_NODE_HET_GROUP_{index}"
         )
         if not nodes or not per_node:
             raise UserError(f"Slurm did not say the size of het group {index} ({group}s); is this a Slurm job?")
-        keys = [f"rewards.models[{m}]" for m in grouped] if group == "reward" else [group]
         for key in keys:
             overrides += [f"{key}.nodes={int(nodes)}", f"{key}.tasks_per_node={_tasks_per_node(per_node)}"]
     return overrides
@@ -65,8 +82,7 @@ def allocation_layout(env: Mapping[str, str] = os.environ, grouped: Sequence[int
 def run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.from_allocation:
-        models = load_config(args.config, overrides).rewards.models
-        layout = allocation_layout(grouped=[m for m, spec in enumerate(models) if spec.nodes > 0])
+        layout = allocation_layout(extra=extra_components(load_config(args.config, overrides)))
         print(f"rollout-hpc prepare: layout from the allocation: {' '.join(layout)}", file=sys.stderr)
         overrides += layout
     cfg = load_config(args.config, overrides)

@@ -17,16 +17,12 @@ def summary_table(cfg: Config) -> Table:
     table = Table(title=f"run {cfg.run.name}  (digest {cfg.digest()[:12]})", show_header=True)
     for column in ("group", "nodes", "tasks/node", "ranks", "gpus/task", "cpus/task", "backend"):
         table.add_column(column)
-    for name in ("generator", "trainer"):
-        g = getattr(cfg, name)
+    # the reward and environment groups (if any) have no backend of their own: the models' / the task's
+    what = {"reward": "models", "env": f"{cfg.envs.workers} workers" if cfg.envs.workers else "threads"}
+    for role, g, _ in cfg.het_groups:
+        backend = getattr(g, "backend", what.get(role, ""))
         table.add_row(
-            name,
-            str(g.nodes),
-            str(g.tasks_per_node),
-            str(g.ranks),
-            str(g.gpus_per_task),
-            str(g.cpus_per_task),
-            g.backend,
+            role, str(g.nodes), str(g.tasks_per_node), str(g.ranks), str(g.gpus_per_task), str(g.cpus_per_task), backend
         )
     return table
 

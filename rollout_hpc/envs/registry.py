@@ -167,6 +167,11 @@ def check_task(cfg) -> Any:
         raise TaskError(
             f"task.env sets how multi-turn episodes are played; '{cfg.task.name}' is single-turn (remove task.env)"
         )
+    if not is_multi_turn(task) and (cfg.envs.workers or cfg.envs.nodes):
+        raise TaskError(
+            f"envs places a multi-turn task's environments (workers, nodes); '{cfg.task.name}' is single-turn and has "
+            "none: remove envs (reward functions run in worker processes of their own already)"
+        )
     # Multi-turn only (a single-turn task never waits on an environment, whatever run.hang_timeout is).
     hang, step = cfg.run.hang_timeout, cfg.task.env.step_timeout
     if is_multi_turn(task) and hang and step >= hang:  # a hung environment would look like a hung rank: job ends

@@ -41,16 +41,13 @@ def require_mpirun() -> str:
 
 
 def mpirun_command(cfg: Config, run_dir: Path, python: str = sys.executable) -> list[str]:
-    """One app context per emulated node: generator nodes, then trainer nodes, then reward nodes."""
+    """One app context per emulated node: generator nodes, then trainer nodes, then reward and environment nodes."""
     # Ranks outnumber cores on a workstation; binding them would pile them onto a few cores.
     cmd = [require_mpirun(), "--oversubscribe", "--bind-to", "none"]
     # Colocated: generator and trainer ranks of emulated node i share its name, as they would share a host.
     gen, train = ("node", "node") if cfg.placement == "colocated" else ("gen", "train")
-    nodes = [(f"{gen}{i}", cfg.generator.tasks_per_node) for i in range(cfg.generator.nodes)]
-    nodes += [(f"{train}{i}", cfg.trainer.tasks_per_node) for i in range(cfg.trainer.nodes)]
-    group = cfg.reward_group
-    if group is not None:
-        nodes += [(f"rm{i}", group.tasks_per_node) for i in range(group.nodes)]
+    names = {"generator": gen, "trainer": train, "reward": "rm", "env": "env"}
+    nodes = [(f"{names[role]}{i}", g.tasks_per_node) for role, g, _ in cfg.het_groups for i in range(g.nodes)]
     for index, (node, tasks) in enumerate(nodes):
         if index:
             cmd.append(":")
@@ -151,15 +148,11 @@ def run_local(cfg: Config, run_dir: Path, console: Console | None = None) -> int
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
     ranks = cfg.world_size
-    group = cfg.reward_group
-    reward = f", {group.nodes}x{group.tasks_per_node} reward" if group else ""
+    layout = ", ".join(f"{g.nodes}x{g.tasks_per_node} {role}" for role, g, _ in cfg.het_groups)
     try:
         with (
             open(log_path, "ab", buffering=0) as log,  # unbuffered: on a full disk, close has nothing to flush
-            console.status(
-                f"[bold]mpirun[/]: {ranks} ranks ({cfg.generator.nodes}x{cfg.generator.tasks_per_node} generator, "
-                f"{cfg.trainer.nodes}x{cfg.trainer.tasks_per_node} trainer{reward}) in {run_dir}"
-            ),
+            console.status(f"[bold]mpirun[/]: {ranks} ranks ({layout}) in {run_dir}"),
         ):
             assert proc.stdout is not None
             logging = True

@@ -121,8 +121,8 @@ def _one_line(text: str, what: str) -> str:
 
 
 def components(cfg: Config, run_dir: Path) -> list[Component]:
-    """Component 0 = generators (with the job-wide options), component 1 = trainers, component 2 = the reward group
-    (rewards.models with nodes > 0), if any."""
+    """Component 0 = generators (with the job-wide options), component 1 = trainers, then the reward group
+    (rewards.models with nodes > 0) and the environment group (envs.nodes > 0), if the config has them."""
     job_wide = [
         f"--job-name={cfg.run.name}",
         f"--signal=B:USR1@{cfg.slurm.signal_lead_seconds}",
@@ -132,13 +132,8 @@ def components(cfg: Config, run_dir: Path) -> list[Component]:
         f"--error={run_dir}/logs/slurm-%j.err",
         *cfg.slurm.extra_sbatch,
     ]
-    out = [
-        Component("generator", job_wide[:1] + _group_options(cfg, cfg.generator) + job_wide[1:]),
-        Component("trainer", _group_options(cfg, cfg.trainer)),
-    ]
-    group = cfg.reward_group  # derived from rewards.models on each access
-    if group is not None:
-        out.append(Component("reward", _group_options(cfg, group)))
+    out = [Component("generator", job_wide[:1] + _group_options(cfg, cfg.generator) + job_wide[1:])]
+    out += [Component(role, _group_options(cfg, group)) for role, group, _ in cfg.het_groups[1:]]
     for component in out:  # config validation refuses these already; the script must never depend on it
         for option in component.options:
             _one_line(option, "#SBATCH option")
@@ -156,7 +151,7 @@ def _step_prefixes(cfg: Config) -> tuple[list[str], list[str]]:
             srun_args.append(f"--container-mounts={','.join(c.mounts)}")
         return srun_args, []
     prefix = ["apptainer", "exec"]
-    if cfg.generator.gpus_per_task or cfg.trainer.gpus_per_task or cfg.rewards.group.gpus_per_task:
+    if any(group.gpus_per_task for _, group, _ in cfg.het_groups):
         prefix.append("--nv")
     for mount in c.mounts:
         prefix += ["--bind", mount]

@@ -1,9 +1,7 @@
 """RewardPool: score (key, response) pairs in worker processes, with a per-sample timeout (docs/rewards.md).
 
-Workers are plain subprocesses (`python -m rollout_hpc.rewards.worker`), not multiprocessing children: pools run
-inside MPI ranks started as `python -m rollout_hpc.runtime.entry`; multiprocessing's spawn/forkserver would
-re-import that main module (initialising MPI in the child) and fork after MPI_Init is unsafe. subprocess uses
-vfork+exec, and the worker never imports mpi4py.
+Workers are plain subprocesses (`python -m rollout_hpc.rewards.worker`; why not multiprocessing, and the wire
+format: rollout_hpc/worker_process.py).
 
 Scheduling: jobs go out in chunks (guided self-scheduling: remaining / (2 * workers), at most 32) to whichever
 worker is idle; a worker answers each job as soon as it is done, so a job's clock starts when the previous answer
@@ -20,10 +18,7 @@ from __future__ import annotations
 
 import math
 import os
-import pickle
 import selectors
-import signal
-import struct
 import subprocess
 import sys
 import threading
@@ -31,16 +26,14 @@ import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, cast
 
 from rollout_hpc.errors import RewardFatal
 from rollout_hpc.rewards import REWARD_ERROR, REWARD_OK, REWARD_TIMEOUT
+from rollout_hpc.worker_process import exit_text, frame, reap, send, shutdown, spawn, split_messages
 
-_HEADER = struct.Struct("<I")
 _MSG_OK, _MSG_ERROR, _MSG_BAD, _MSG_SAMPLE_ERROR = 0, 1, 3, 4
 _MAX_CHUNK = 32
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,70 +63,7 @@ class _Worker:
         self.head_start = 0.0
 
     def messages(self):
-        buf = self.buf
-        pos = 0
-        out = []
-        while len(buf) - pos >= 4:
-            (n,) = _HEADER.unpack_from(buf, pos)
-            if len(buf) - pos - 4 < n:
-                break
-            out.append(pickle.loads(memoryview(buf)[pos + 4 : pos + 4 + n]))
-            pos += 4 + n
-        if pos:
-            del buf[:pos]
-        return out
-
-
-def _exit_text(code: int | None) -> str:
-    if code is None:
-        return "worker died"
-    if code < 0:
-        try:
-            return f"worker died (exit code {code}, {signal.Signals(-code).name})"
-        except ValueError:
-            pass
-    return f"worker died (exit code {code})"
-
-
-def _reap(proc: subprocess.Popen) -> int | None:
-    """Ends a worker for good: SIGKILL unless it already exited, then wait (no zombie)."""
-    for stream in (proc.stdin, proc.stdout):
-        try:
-            if stream is not None:
-                stream.close()
-        except OSError:
-            pass
-    if proc.poll() is None:
-        try:
-            proc.kill()
-        except OSError:
-            pass
-    try:
-        return proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:  # unkillable (D state): leave it, never block the rank
-        return None
-
-
-def _shutdown(procs: list[subprocess.Popen], owner: int) -> None:
-    """Close every worker: end of input first (idle workers exit at once), SIGKILL what is left after 0.2 s.
-    Only in the process that started them (a fork of the rank exiting must not kill the rank's workers)."""
-    if os.getpid() != owner:
-        return
-    for proc in procs:
-        assert proc.stdin is not None  # started with stdin=PIPE
-        try:
-            proc.stdin.close()
-        except OSError:
-            pass
-    deadline = time.monotonic() + 0.2
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for proc in procs:
-        _reap(proc)
-    procs.clear()
+        return split_messages(self.buf)
 
 
 class RewardPool:
@@ -169,7 +99,7 @@ class RewardPool:
         self.start_timeout_s = float(start_timeout_s)
         self.name = name
         try:
-            self._init_msg = self._frame(("init", factory, self.args, name, list(sys.path)))
+            self._init_msg = frame(("init", factory, self.args, name, list(sys.path)))
         except Exception as exc:
             raise RewardFatal(
                 f"{name}: the arguments of reward factory '{factory}' must be plain picklable data: "
@@ -189,7 +119,7 @@ class RewardPool:
             "workers_started": 0,
             "score_seconds": 0.0,
         }
-        self._finalizer = weakref.finalize(self, _shutdown, self._procs, os.getpid())
+        self._finalizer = weakref.finalize(self, shutdown, self._procs, os.getpid())
         try:
             self._fill()
         except BaseException:
@@ -272,23 +202,8 @@ class RewardPool:
 
     # --------------------------------------------------------------------------------------------- workers
 
-    @staticmethod
-    def _frame(obj) -> bytes:
-        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        return _HEADER.pack(len(payload)) + payload
-
     def _spawn(self) -> _Worker:
-        env = dict(os.environ)
-        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        if _PACKAGE_ROOT not in paths:  # so `-m rollout_hpc.rewards.worker` resolves to this very package
-            env["PYTHONPATH"] = os.pathsep.join([*paths, _PACKAGE_ROOT])
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "rollout_hpc.rewards.worker", str(os.getpid())],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            bufsize=0,
-        )
+        proc = spawn("rollout_hpc.rewards.worker")
         self._procs.append(proc)
         self._counts["workers_started"] += 1
         w = _Worker(proc)
@@ -303,16 +218,7 @@ class RewardPool:
             self._spawn()
 
     def _send(self, w: _Worker, data: bytes) -> bool:
-        view = memoryview(data)
-        assert w.proc.stdin is not None  # started with stdin=PIPE
-        fd = w.proc.stdin.fileno()
-        try:
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-        except (BrokenPipeError, ConnectionResetError, OSError):
-            return False
-        return True
+        return send(w.proc, data)
 
     def _drop(self, w: _Worker) -> int | None:
         """Removes a worker from the pool and ends it; returns its exit code."""
@@ -322,7 +228,7 @@ class RewardPool:
             pass
         if w in self._workers:
             self._workers.remove(w)
-        code = _reap(w.proc)
+        code = reap(w.proc)
         if w.proc in self._procs:
             self._procs.remove(w.proc)
         return code
@@ -377,7 +283,7 @@ class RewardPool:
                 return
             k = max(1, min(_MAX_CHUNK, len(pending) // (2 * self.n_workers)))
             ids = [pending.popleft() for _ in range(min(k, len(pending)))]
-            msg = self._frame(("jobs", [(i, jobs[i][0], jobs[i][1]) for i in ids]))
+            msg = frame(("jobs", [(i, jobs[i][0], jobs[i][1]) for i in ids]))
             w.outstanding.extend(ids)
             w.head_start = time.monotonic()
             if not self._send(w, msg):
@@ -445,12 +351,12 @@ class RewardPool:
         if not was_ready:
             raise self._fatal(
                 f"{self.name}: a reward worker for factory '{self.factory}' exited while building the "
-                f"reward function ({_exit_text(code)}; its stderr is in the rank's log)"
+                f"reward function ({exit_text(code)}; its stderr is in the rank's log)"
             )
         self._counts["worker_deaths"] += 1
         if w.outstanding and results is not None:
             head = w.outstanding.popleft()
-            results[head] = RewardResult(0.0, REWARD_ERROR, _exit_text(code))
+            results[head] = RewardResult(0.0, REWARD_ERROR, exit_text(code))
             self._counts["errors"] += 1
             remaining[0] -= 1
             pending.extendleft(reversed(w.outstanding))

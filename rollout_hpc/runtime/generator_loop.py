@@ -32,6 +32,7 @@ from rollout_hpc.exchange.faults import fault_point
 from rollout_hpc.exchange.weights import SyncClosed
 from rollout_hpc.rewards import REWARD_ERROR, REWARD_OK, RewardPool
 from rollout_hpc.runtime import watchdog
+from rollout_hpc.runtime.env_group import generator_host
 from rollout_hpc.runtime.evaluation import EvalSchedule, Evaluator
 from rollout_hpc.runtime.model_rewards import ModelScorer
 from rollout_hpc.runtime.step_plan import Informative, StepPlan, informative_groups, rank_share
@@ -223,6 +224,8 @@ def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights
     dataset = task.prompts(cfg.run.seed)
     gen = make_generator(cfg, model, tokenizer, task)
     multi_turn = is_multi_turn(task)
+    if multi_turn:  # its environments: on the environment group, in worker processes, or (None) in threads here
+        gen.env_host = generator_host(world, cfg, task, run_dir)
     models = ModelScorer(cfg, dataset) if cfg.rewards.models and not multi_turn else None
     workers = None if multi_turn else RewardWorkers(exchange, reward_pool(cfg, task, run_dir), models, rate)
     evaluator = make_evaluator(world, cfg, gen, task, workers, eval_comm) if cfg.eval and eval_comm else None
@@ -290,4 +293,6 @@ def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights
     finally:
         if workers is not None:
             workers.close()
+        if gen.env_host is not None:  # an environment rank ends once each of its generators has said so
+            gen.env_host.close()
     return 0

@@ -38,9 +38,10 @@ from rollout_hpc.errors import WorldError
 GENERATOR = "generator"
 TRAINER = "trainer"
 REWARD = "reward"
-ROLES = (GENERATOR, TRAINER, REWARD)  # in world-rank order
+ENV = "env"
+ROLES = (GENERATOR, TRAINER, REWARD, ENV)  # in world-rank order
 # The intercommunicators, each with its own tag, created in this order: no group waits on one that waits on it.
-_PAIRS = ((GENERATOR, TRAINER), (GENERATOR, REWARD), (REWARD, TRAINER))
+_PAIRS = ((GENERATOR, TRAINER), (GENERATOR, REWARD), (REWARD, TRAINER), (GENERATOR, ENV))
 _INTERCOMM_TAG = 7001
 
 
@@ -73,11 +74,12 @@ class World:
     comm: MPI.Intracomm  # MPI.COMM_WORLD
     rank: int
     size: int
-    role: str  # "generator" | "trainer" | "reward"
+    role: str  # "generator" | "trainer" | "reward" | "env"
     group_rank: int
     group_size: int
     group_comm: MPI.Intracomm  # the ranks of my role
-    inter_comm: MPI.Intercomm  # generators <-> trainers; a reward rank's: to the trainers (remote ranks = group ranks)
+    inter_comm: MPI.Intercomm  # generators <-> trainers; a reward rank's: to the trainers, an env rank's: to the
+    # generators (remote ranks = group ranks)
     node_name: str
     node_index: int  # index of my node within my group, in order of group rank
     n_nodes: int  # nodes in my group
@@ -102,6 +104,10 @@ class World:
     @property
     def is_reward(self) -> bool:
         return self.role == REWARD
+
+    @property
+    def is_env(self) -> bool:
+        return self.role == ENV
 
     @property
     def is_trainer(self) -> bool:
@@ -154,7 +160,7 @@ def init_world(cfg, comm=None) -> World:
     sections = _sections(cfg)
     if comm.Get_size() != cfg.world_size:
         sizes = " + ".join(
-            f"{_key(role)} ranks {s.ranks} (nodes {s.nodes} x tasks_per_node {s.tasks_per_node})"
+            f"{_key(cfg, role)} ranks {s.ranks} (nodes {s.nodes} x tasks_per_node {s.tasks_per_node})"
             for role, s in sections
         )
         raise WorldError(
@@ -172,7 +178,7 @@ def init_world(cfg, comm=None) -> World:
         if role in (a, b) and a in first and b in first:
             other = b if role == a else a
             links[other] = group_comm.Create_intercomm(0, comm, first[other], tag)
-    inter_comm = links[TRAINER if role != TRAINER else GENERATOR]
+    inter_comm = links[TRAINER if role in (GENERATOR, REWARD) else GENERATOR]
 
     node_name = node_name_from_env()
     names = group_comm.allgather(node_name)
@@ -208,15 +214,12 @@ def init_world(cfg, comm=None) -> World:
 
 def _sections(cfg) -> list[tuple[str, Any]]:
     """(role, its GroupSection) of each group of the run, in world-rank order."""
-    out = [(GENERATOR, cfg.generator), (TRAINER, cfg.trainer)]
-    if cfg.reward_group is not None:
-        out.append((REWARD, cfg.reward_group))
-    return out
+    return [(role, group) for role, group, _ in cfg.het_groups]
 
 
-def _key(role: str) -> str:
+def _key(cfg, role: str) -> str:
     """Where the config sets a group's layout."""
-    return "rewards.models[]" if role == REWARD else role
+    return next(key for r, _, key in cfg.het_groups if r == role)
 
 
 def _check_nodes(cfg, ranks: list[RankInfo]) -> None:
@@ -225,7 +228,7 @@ def _check_nodes(cfg, ranks: list[RankInfo]) -> None:
         nodes = {r.node_name for r in ranks if r.role == role}
         if len(nodes) != section.nodes:
             raise WorldError(
-                f"{_key(role)}.nodes is {section.nodes} but the {role} ranks run on {len(nodes)} node(s) {sorted(nodes)}; "
+                f"{_key(cfg, role)}.nodes is {section.nodes} but the {role} ranks run on {len(nodes)} node(s) {sorted(nodes)}; "
                 f"launch with {section.tasks_per_node} task(s) per node (srun --ntasks-per-node, or ROLLOUT_NODE per "
                 "MPMD block under mpirun)"
             )
