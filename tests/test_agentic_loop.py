@@ -177,8 +177,8 @@ def episodes_by_uid(run_dir: Path) -> dict:
 
 def test_frozenlake_success_rises(tmp_path):
     """The agent learns (configs/examples/agentic-frozenlake.yaml, shorter): replies become moves, then the share
-    of episodes that reach the goal rises. Measured (seed 0, 2 shared cores, ~2 minutes): success per 10 steps
-    0.00 0.00 0.05 0.21 0.34 0.40 0.40 0.39 0.41 0.43 (the 150-step example goes on to 0.64, held-out 0.67)."""
+    of episodes that reach the goal rises. Measured (seed 0, 2 shared cores, ~1 minute for these 60 steps): success
+    per 10 steps 0.00 0.00 0.05 0.21 0.34 0.40 (the 150-step example goes on to 0.64, held-out 0.67)."""
     config = Path(__file__).parents[1] / "configs" / "examples" / "agentic-frozenlake.yaml"
     run_dir = tmp_path / "lake"
     done = cli(
@@ -188,7 +188,9 @@ def test_frozenlake_success_rises(tmp_path):
         "--run-dir",
         run_dir,
         "--set",
-        "algorithm.steps=100",
+        "algorithm.steps=60",
+        "--set",
+        "eval.every_steps=30",
         "--set",
         "run.seed=0",
         cwd=tmp_path,
@@ -198,8 +200,8 @@ def test_frozenlake_success_rises(tmp_path):
     metrics = read_metrics(run_dir)
     success = [m["success_rate"] for m in metrics]
     errors = [m["format_error_rate"] for m in metrics]
-    first, last = sum(success[:20]) / 20, sum(success[-20:]) / 20
+    first, last = sum(success[:20]) / 20, sum(success[-10:]) / 10
     assert first < 0.05 and last > 0.25, f"success {first:.2f} -> {last:.2f}: the agent did not learn"
-    assert sum(errors[:10]) / 10 > 0.5 > 0.1 > sum(errors[-20:]) / 20
+    assert sum(errors[:10]) / 10 > 0.5 > 0.1 > sum(errors[-10:]) / 10
     evals = json.loads(cli("analyze", run_dir, "--json", cwd=tmp_path).stdout)["eval"]
-    assert evals["step"] == [0, 50, 100] and evals["success_rate"][0] == 0.0
+    assert evals["step"] == [0, 30, 60] and evals["success_rate"][0] == 0.0
