@@ -385,3 +385,52 @@ def test_task_env_reaches_the_generator(model, tmp_path):
     records = [batch.record(i) for i in range(len(batch))]
     replies = [int(r["loss_mask"][s : s + 4].sum()) for r in records for s in r["turn_starts"]]
     assert max(replies) == 3 and min(replies) >= 1  # up to 3 tokens a turn (a reply ends at EOS or the limit)
+
+
+def test_sokoban_demonstrations_are_the_episodes_the_generator_would_build():
+    """An SFT warm-up on a multi-turn task (warmup.sft_steps) teaches whole episodes: the solver's moves as the
+    trained tokens, the environment's observations between them in the context with no loss: token for token the
+    record the episode loop builds when the policy replies with those moves."""
+    from rollout_hpc.backends.episodes import rollout_episodes
+    from rollout_hpc.backends.generator import Generation
+    from rollout_hpc.runtime.sft import sft_batch, sft_stream
+
+    cfg = load_config(
+        None,
+        ["task.name=sokoban", "task.params={size: 6, max_turns: 8}", "warmup.sft_steps=1", "warmup.batch_size=12"],
+    )
+    cfg = cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"max_new_tokens": 1})})
+    task = load_task(cfg.task)
+    stream = sft_stream(task, 0)
+    batch = sft_batch(cfg, task, TOK, stream, 0)
+    items = [stream[i] for i in range(12)]
+    moves = [task.demonstration(item) for item in items]
+    turn = [0] * len(items)
+
+    def replay(prompts, live):  # the policy replies with the solver's next move
+        ids = [[TOK.encode(moves[i][turn[i]])[0]] for i in live]
+        for i in live:
+            turn[i] += 1
+        return Generation(ids, [[0.0]] * len(live), [False] * len(live))
+
+    played = rollout_episodes(lambda i: task.make_env(), items, replay, TOK, 1, 512, EpisodeSettings(max_turns=8))
+    assert len(batch) == 12
+    for k, ep in enumerate(played):
+        rec = batch.record(k)
+        assert ep.success == (len(moves[k]) <= 8)  # a longer solution is cut at max_turns, as an episode is
+        assert rec["prompt_ids"].tolist() == ep.prompt_ids
+        assert rec["response_ids"].tolist() == ep.response_ids and rec["loss_mask"].tolist() == ep.loss_mask
+        assert rec["turn_starts"].tolist() == ep.turn_starts
+        trained = rec["response_ids"][rec["loss_mask"] == 1]
+        assert TOK.decode(trained.tolist()) == "".join(moves[k][:8])
+    assert sum(ep.success for ep in played) >= 6
+
+
+def test_a_multi_turn_sft_warmup_needs_demonstrations():
+    from rollout_hpc.errors import DatasetError
+    from rollout_hpc.runtime.sft import sft_batch
+
+    cfg = load_config(None, ["task.name=frozenlake", "warmup.sft_steps=1", "warmup.batch_size=2"])
+    task = load_task(cfg.task)
+    with pytest.raises(DatasetError, match=r"no demonstration\(item\) method .* or set warmup.sft_steps: 0"):
+        sft_batch(cfg, task, TOK, task.prompts(0), 0)

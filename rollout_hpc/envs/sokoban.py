@@ -212,6 +212,14 @@ class SokobanTask:
     def prompts(self, seed: int) -> SokobanLevels:
         return SokobanLevels(abs(int(seed)), self.make_env())
 
+    def demonstration(self, prompt_item) -> list[str]:
+        """The replies that solve the level, shortest first found (breadth-first search): what an SFT warm-up
+        (warmup.sft_steps) teaches before RL."""
+        env = self.make_env()
+        env.reset(prompt_item)
+        assert env.level is not None
+        return env.level.solve() or []
+
     def eval_prompts(self, seed: int) -> list[Prompt]:
         """EVAL_LEVELS held-out levels from their own seed stream (small rooms have few layouts: 504 for size 5,
         so some may equal training levels; interior_walls and size make more)."""

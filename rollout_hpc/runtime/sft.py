@@ -6,6 +6,12 @@ seeded apart from the RL stream: the RL steps still start at prompt 0 of theirs)
 and an interruption during warm-up resumes in warm-up, exactly once. The target is the row's answer as text plus
 EOS; the prompt is formatted exactly as the generators format it (chat template included); the loss is the
 negative log-likelihood of the target tokens, aggregated like the RL loss (algorithm.loss_agg).
+
+A multi-turn task teaches whole episodes instead: its `demonstration(item)` gives the replies that solve the item
+(sokoban: the breadth-first solver's moves); they are played through a fresh environment and the record is built as
+the generators build an episode's (backends/episodes.py: the first observation as the prompt, each reply's tokens
+trained on, each observation after it in the context with no loss), so the warm-up teaches exactly the token
+sequences RL then samples.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import torch
 
 from rollout_hpc import algos
 from rollout_hpc.backends.generate_hf import derive_seed, trajectory_batch
-from rollout_hpc.envs.base import dataset_item
+from rollout_hpc.envs.base import dataset_item, is_multi_turn
 from rollout_hpc.errors import DatasetError
 from rollout_hpc.models.prompting import encode_prompt_item
 from rollout_hpc.trajectory import TrajectoryBatch
@@ -47,13 +53,53 @@ def answer_text(item) -> str:
     return str(answer)
 
 
+def demonstration_episode(task, tokenizer, item, max_tokens_per_turn: int) -> tuple[list[int], ...]:
+    """(prompt, response, loss mask, turn starts) of the task's demonstration of `item`, played in a fresh
+    environment: each reply as the generator would sample it (its tokens and EOS, cut at max_tokens_per_turn)."""
+    demonstrate = getattr(task, "demonstration", None)
+    if not callable(demonstrate):
+        raise DatasetError(
+            f"warmup.sft_steps on a multi-turn task trains on demonstrations, but the task ({type(task).__name__}) "
+            "has no demonstration(item) method returning the replies that solve an item; add one or set "
+            "warmup.sft_steps: 0"
+        )
+    replies = demonstrate(item)
+    if not replies:
+        raise DatasetError(f"the task's demonstration of {getattr(item, 'text', item)!r} has no reply")
+    env = task.make_env()
+    prompt = tokenizer.encode_prompt(env.reset(item))
+    response: list[int] = []
+    mask: list[int] = []
+    starts: list[int] = []
+    for text in replies:
+        ids = (tokenizer.encode(text) + [tokenizer.eos_id])[:max_tokens_per_turn]
+        starts.append(len(response))
+        response += ids
+        mask += [1] * len(ids)
+        obs, _, done, _ = env.step(tokenizer.decode(ids))
+        if done:
+            break
+        obs_ids = tokenizer.encode(obs)
+        response += obs_ids
+        mask += [0] * len(obs_ids)
+    return prompt, response, mask, starts
+
+
 def sft_batch(cfg, task, tokenizer, stream, step: int) -> TrajectoryBatch:
-    """Step `step`'s (prompt, answer + EOS) pairs as records: the answer is the 'response' trained on."""
+    """Step `step`'s (prompt, answer + EOS) pairs as records: the answer is the 'response' trained on (a
+    multi-turn task's: its demonstration episodes)."""
     B = batch_size(cfg)
     indices = range(step * B, (step + 1) * B)
     items = [dataset_item(stream, i) for i in indices]
-    prompts = [encode_prompt_item(tokenizer, item, getattr(task, "chat_template", "auto")) for item in items]
-    targets = [tokenizer.encode(answer_text(item)) + [tokenizer.eos_id] for item in items]
+    masks = starts = None
+    if is_multi_turn(task):
+        per_turn = cfg.task.env.max_tokens_per_turn or cfg.algorithm.max_new_tokens
+        prompts, targets, masks, starts = map(
+            list, zip(*(demonstration_episode(task, tokenizer, item, per_turn) for item in items))
+        )
+    else:
+        prompts = [encode_prompt_item(tokenizer, item, getattr(task, "chat_template", "auto")) for item in items]
+        targets = [tokenizer.encode(answer_text(item)) + [tokenizer.eos_id] for item in items]
     now = time.time()
     return trajectory_batch(
         prompts,
@@ -67,6 +113,8 @@ def sft_batch(cfg, task, tokenizer, stream, step: int) -> TrajectoryBatch:
         truncated=[False] * B,
         t_start=now,
         t_end=now,
+        loss_masks=masks,
+        turn_starts=starts,
     )
 
 
