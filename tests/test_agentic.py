@@ -431,6 +431,8 @@ def test_a_multi_turn_sft_warmup_needs_demonstrations():
     from rollout_hpc.runtime.sft import sft_batch
 
     cfg = load_config(None, ["task.name=frozenlake", "warmup.sft_steps=1", "warmup.batch_size=2"])
+    with pytest.raises(TaskError, match=r"warmup.sft_steps on multi-turn task 'frozenlake' .* no demonstration"):
+        check_task(cfg)
     task = load_task(cfg.task)
     with pytest.raises(DatasetError, match=r"no demonstration\(item\) method .* or set warmup.sft_steps: 0"):
         sft_batch(cfg, task, TOK, task.prompts(0), 0)

@@ -163,6 +163,8 @@ def test_episodes_in_a_slurm_het_job_match_the_local_run(slurm_cluster, tmp_path
     state = slurm_cluster.wait_job(int(job_id), timeout=300)
     logs = "".join(p.read_text() for p in sorted((tmp_path / "het" / "logs").glob(f"slurm-{job_id}.*")))
     assert state == "COMPLETED", logs[-4000:]
+    status = json.loads(cli("status", tmp_path / "het", "--json", cwd=tmp_path).stdout)
+    assert [c["role"] for c in status["jobs"][0]["components"]] == ["generator", "trainer", "env"]
     assert weights_digest(tmp_path / "het") == weights_digest(reference)
     assert_exactly_once(tmp_path / "het")
     assert episodes_by_uid(tmp_path / "het") == episodes_by_uid(reference)

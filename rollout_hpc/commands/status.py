@@ -10,13 +10,16 @@ from rich.table import Table
 
 from rollout_hpc.commands import out
 from rollout_hpc.launch import rundir
-from rollout_hpc.launch.status import TrainingProgress, job_states, local_state, training_progress
+from rollout_hpc.launch.status import TrainingProgress, job_states, local_state, run_roles, training_progress
 
 
 def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     manifest = rundir.read_manifest(run_dir)
-    jobs = [{"job_id": j, "components": [c.to_dict() for c in job_states(j)]} for j in manifest.get("job_ids", [])]
+    roles = run_roles(run_dir)
+    jobs = [
+        {"job_id": j, "components": [c.to_dict() for c in job_states(j, roles)]} for j in manifest.get("job_ids", [])
+    ]
     local = [dict(r, state=local_state(r)) for r in manifest.get("local_runs", [])]
     progress = training_progress(run_dir)
     if args.json:

@@ -172,6 +172,12 @@ def check_task(cfg) -> Any:
             f"envs places a multi-turn task's environments (workers, nodes); '{cfg.task.name}' is single-turn and has "
             "none: remove envs (reward functions run in worker processes of their own already)"
         )
+    if is_multi_turn(task) and cfg.warmup.sft_steps and not callable(getattr(task, "demonstration", None)):
+        raise TaskError(
+            f"warmup.sft_steps on multi-turn task '{cfg.task.name}' trains on demonstrations, but it has no "
+            "demonstration(item) method (the replies that solve an item; the built-in sokoban has one): add one, or "
+            "set warmup.sft_steps: 0"
+        )
     # Multi-turn only (a single-turn task never waits on an environment, whatever run.hang_timeout is).
     hang, step = cfg.run.hang_timeout, cfg.task.env.step_timeout
     if is_multi_turn(task) and hang and step >= hang:  # a hung environment would look like a hung rank: job ends

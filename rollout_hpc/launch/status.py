@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -19,7 +20,13 @@ from rollout_hpc.config import load_config
 from rollout_hpc.errors import UserError
 from rollout_hpc.rundir_layout import CHECKPOINTS, RESOLVED_CONFIG
 
-ROLES = {0: "generator", 1: "trainer"}
+ROLES = ("generator", "trainer")  # het components 0 and 1; a config's cfg.het_groups names any after them
+
+
+def _role(roles: Sequence[str], offset: int) -> str:
+    return roles[offset] if offset < len(roles) else f"component {offset}"
+
+
 # States after which Slurm will not run the job again by itself (UNKNOWN: it has forgotten the job).
 ENDED = {
     "COMPLETED",
@@ -65,7 +72,7 @@ def parse_scontrol(text: str) -> list[dict[str, str]]:
     return [dict(_FIELD.findall(line.strip())) for line in text.splitlines() if line.strip()]
 
 
-def _from_scontrol(job_id: str) -> list[ComponentState] | None:
+def _from_scontrol(job_id: str, roles: Sequence[str]) -> list[ComponentState] | None:
     out = _run(["scontrol", "-o", "show", "job", job_id])
     if out is None:
         return None
@@ -76,7 +83,7 @@ def _from_scontrol(job_id: str) -> list[ComponentState] | None:
         states.append(
             ComponentState(
                 job_id=shown,
-                role=ROLES.get(offset, f"component {offset}"),
+                role=_role(roles, offset),
                 state=fields.get("JobState", "?"),
                 nodes=fields.get("NodeList", "") if fields.get("NodeList") not in (None, "(null)") else "",
                 restarts=fields.get("Restarts", "?"),
@@ -87,7 +94,7 @@ def _from_scontrol(job_id: str) -> list[ComponentState] | None:
     return states
 
 
-def _from_sacct(job_id: str) -> list[ComponentState] | None:
+def _from_sacct(job_id: str, roles: Sequence[str]) -> list[ComponentState] | None:
     out = _run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "JobID,State,NodeList,Reason"])
     if out is None:
         return None
@@ -98,7 +105,7 @@ def _from_sacct(job_id: str) -> list[ComponentState] | None:
         states.append(
             ComponentState(
                 jid,
-                ROLES.get(offset, f"component {offset}"),
+                _role(roles, offset),
                 state,
                 nodes,
                 "?",
@@ -109,10 +116,19 @@ def _from_sacct(job_id: str) -> list[ComponentState] | None:
     return states or None
 
 
-def job_states(job_id: str) -> list[ComponentState]:
+def run_roles(run_dir: str | Path) -> Sequence[str]:
+    """The roles of a run's het components, in order (from its resolved config; the first two without one)."""
+    try:
+        return [role for role, _, _ in load_config(Path(run_dir) / RESOLVED_CONFIG).het_groups]
+    except (OSError, UserError):
+        return ROLES
+
+
+def job_states(job_id: str, roles: Sequence[str] = ROLES) -> list[ComponentState]:
+    """Each het component's state; roles name the components in order ([role for role, _, _ in cfg.het_groups])."""
     return (
-        _from_scontrol(job_id)
-        or _from_sacct(job_id)
+        _from_scontrol(job_id, roles)
+        or _from_sacct(job_id, roles)
         or [
             ComponentState(
                 job_id, "-", "UNKNOWN", "", "?", "no longer known to slurmctld, and sacct has no record", "none"
