@@ -789,6 +789,13 @@ class Config(_Section):
                     f"{name}: tasks_per_node x gpus_per_task = {need} GPUs per node, but slurm.gpus_per_node is {cap}; "
                     f"lower {name}.tasks_per_node or {name}.gpus_per_task, or raise slurm.gpus_per_node"
                 )
+        envs = self.env_group
+        if envs is not None and envs.ranks > self.generator.ranks:
+            raise ValueError(
+                f"envs: {envs.ranks} environment ranks (nodes x tasks_per_node) for {self.generator.ranks} generator "
+                "rank(s); each generator rank steps its environments on one environment rank, so the rest would idle: "
+                "lower envs.nodes / envs.tasks_per_node (use envs.workers for more processes per rank)"
+            )
         if self.generator.backend == "vllm" and self.generator.gpus_per_task < 1:
             raise ValueError("generator.backend 'vllm' needs generator.gpus_per_task >= 1; use backend 'hf' on CPUs")
         if self.trainer.backend == "megatron" and self.trainer.gpus_per_task < 1:

@@ -135,9 +135,10 @@ def test_the_environment_group_is_a_het_component_of_its_own(tmp_path):
     from rollout_hpc.launch.render import render_script
 
     sets = ["task.name=sokoban", "envs.nodes=2", "envs.tasks_per_node=4", "envs.workers=3", "envs.cpus_per_task=8"]
-    cfg = load_config(None, [*sets, "envs.partition=cpu", "generator.nodes=2"])
+    sets += ["generator.nodes=2", "generator.tasks_per_node=4"]
+    cfg = load_config(None, [*sets, "envs.partition=cpu"])
     assert cfg.env_group is not None and cfg.env_group.ranks == 8
-    assert cfg.world_size == 2 + 1 + 8
+    assert cfg.world_size == 8 + 1 + 8
     script = render_script(cfg, tmp_path / "run")
     assert script.count("#SBATCH hetjob") == 2 and "# het component 2: env nodes" in script
     env_lines = script.split("# het component 2: env nodes")[1]
@@ -158,6 +159,11 @@ def test_the_environment_group_is_a_het_component_of_its_own(tmp_path):
     both = load_config(None, [*sets, f"rewards.models=[{{name: j, path: {tmp_path}, kind: judge, nodes: 1}}]"])
     assert [role for role, _, _ in both.het_groups] == ["generator", "trainer", "reward", "env"]
     assert "# het component 3: env nodes" in render_script(both, tmp_path / "run2")
+
+
+def test_more_environment_ranks_than_generator_ranks_is_refused():
+    with pytest.raises(UserError, match="3 environment ranks .* for 2 generator rank.*envs.workers"):
+        load_config(None, ["envs.nodes=3", "generator.nodes=2"])
 
 
 def test_envs_on_a_single_turn_task_is_refused():
