@@ -39,7 +39,6 @@ import yaml
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 import rollout_hpc
 from rollout_hpc.config import ModelSection
@@ -245,6 +244,8 @@ def hf_config(model_cfg, dtype: str):
                 f"the run's model.path {base} has no config.json (moved or deleted?): the export takes the "
                 "config and tokenizer files from there; restore that directory"
             )
+        from transformers import AutoConfig  # in here: the auto classes take a second to import (every rank's start)
+
         config = AutoConfig.from_pretrained(base, local_files_only=True)
     config.dtype = dtype
     return config
@@ -253,6 +254,8 @@ def hf_config(model_cfg, dtype: str):
 def expected_tensors(config) -> tuple[str, dict[str, tuple[tuple[int, ...], bool]]]:
     """(model class name, {name: (shape, is_float)}) of the tensors a checkpoint of this config holds, tied copies
     left out (lm_head.weight when tie_word_embeddings), in the model's own order. Built on the meta device."""
+    from transformers import AutoModelForCausalLM  # in here: see hf_config
+
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
@@ -365,6 +368,8 @@ def write_tokenizer_and_generation_config(directory: Path, model_cfg, config) ->
     if (base / "generation_config.json").is_file():
         shutil.copy2(base / "generation_config.json", directory / "generation_config.json")
     else:
+        from transformers import GenerationConfig
+
         GenerationConfig.from_model_config(config).save_pretrained(directory)
     return [*files, "generation_config.json"]
 
