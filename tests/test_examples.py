@@ -25,7 +25,7 @@ def test_example_loads_and_renders(path, tmp_path):
     (tmp_path / "job.sbatch").write_text(script)
     assert subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")]).returncode == 0
     assert "#SBATCH" in script and "hetjob" in script
-    assert script.count("#SBATCH hetjob") == (2 if cfg.reward_group else 1)  # a reward group: a third component
+    assert script.count("#SBATCH hetjob") == len(cfg.het_groups) - 1  # a reward or environment group: one more
 
 
 def test_mixture_example_validates_on_the_sample_data(tmp_path):
