@@ -9,8 +9,8 @@ negative log-likelihood of the target tokens, aggregated like the RL loss (algor
 
 A multi-turn task teaches whole episodes instead: its `demonstration(item)` gives the replies that solve the item
 (sokoban: the breadth-first solver's moves); they are played through a fresh environment and the record is built as
-the generators build an episode's (backends/episodes.py: the first observation as the prompt, each reply's tokens
-trained on, each observation after it in the context with no loss), so the warm-up teaches exactly the token
+the generators build an episode's (by backends/episodes.py itself: the first observation as the prompt, each reply's
+tokens trained on, each observation after it in the context with no loss), so the warm-up teaches exactly the token
 sequences RL then samples.
 """
 
@@ -22,11 +22,13 @@ import numpy as np
 import torch
 
 from rollout_hpc import algos
+from rollout_hpc.backends.episodes import Episode, EpisodeSettings, rollout_episodes
 from rollout_hpc.backends.generate_hf import derive_seed, trajectory_batch
+from rollout_hpc.backends.generator import Generation
 from rollout_hpc.envs.base import dataset_item, is_multi_turn
-from rollout_hpc.errors import DatasetError
+from rollout_hpc.errors import DatasetError, TaskError
 from rollout_hpc.models.prompting import encode_prompt_item
-from rollout_hpc.trajectory import TrajectoryBatch
+from rollout_hpc.trajectory import EPISODE_OK, TrajectoryBatch
 
 _SFT_STREAM = 0x5F7
 
@@ -53,9 +55,10 @@ def answer_text(item) -> str:
     return str(answer)
 
 
-def demonstration_episode(task, tokenizer, item, max_tokens_per_turn: int) -> tuple[list[int], ...]:
-    """(prompt, response, loss mask, turn starts) of the task's demonstration of `item`, played in a fresh
-    environment: each reply as the generator would sample it (its tokens and EOS, cut at max_tokens_per_turn)."""
+def demonstration_episodes(cfg, task, tokenizer, items) -> list[Episode]:
+    """The task's demonstrations of `items`, played by the episode loop itself (backends/episodes.py) with a policy
+    that replies each demonstrated move as the generator would sample it (its tokens and EOS, cut at
+    task.env.max_tokens_per_turn): the records RL then samples, built by the same code."""
     demonstrate = getattr(task, "demonstration", None)
     if not callable(demonstrate):
         raise DatasetError(
@@ -63,26 +66,33 @@ def demonstration_episode(task, tokenizer, item, max_tokens_per_turn: int) -> tu
             "has no demonstration(item) method returning the replies that solve an item; add one or set "
             "warmup.sft_steps: 0"
         )
-    replies = demonstrate(item)
-    if not replies:
-        raise DatasetError(f"the task's demonstration of {getattr(item, 'text', item)!r} has no reply")
-    env = task.make_env()
-    prompt = tokenizer.encode_prompt(env.reset(item))
-    response: list[int] = []
-    mask: list[int] = []
-    starts: list[int] = []
-    for text in replies:
-        ids = (tokenizer.encode(text) + [tokenizer.eos_id])[:max_tokens_per_turn]
-        starts.append(len(response))
-        response += ids
-        mask += [1] * len(ids)
-        obs, _, done, _ = env.step(tokenizer.decode(ids))
-        if done:
-            break
-        obs_ids = tokenizer.encode(obs)
-        response += obs_ids
-        mask += [0] * len(obs_ids)
-    return prompt, response, mask, starts
+    replies = [demonstrate(item) for item in items]
+    for item, moves in zip(items, replies):
+        if not moves:
+            raise DatasetError(f"the task's demonstration of {getattr(item, 'text', item)!r} has no reply")
+    per_turn = cfg.task.env.max_tokens_per_turn or cfg.algorithm.max_new_tokens
+    turn = [0] * len(items)
+
+    def replay(prompts, live):
+        out = []
+        for i in live:
+            if turn[i] >= len(replies[i]):
+                raise DatasetError(
+                    f"the task's demonstration of {getattr(items[i], 'text', items[i])!r} ends after {turn[i]} "
+                    "replies, before its episode does (it does not solve the item)"
+                )
+            out.append((tokenizer.encode(replies[i][turn[i]]) + [tokenizer.eos_id])[:per_turn])
+            turn[i] += 1
+        return Generation(out, [[0.0] * len(ids) for ids in out], [False] * len(out))
+
+    settings = EpisodeSettings.from_config(cfg.task.env)
+    episodes = rollout_episodes(lambda i: task.make_env(), items, replay, tokenizer, per_turn, settings=settings)
+    for item, ep in zip(items, episodes):
+        if ep.status != EPISODE_OK:  # a demonstration is the teacher: its environment failing is no sample to skip
+            raise TaskError(
+                f"the environment failed playing the demonstration of {getattr(item, 'text', item)!r}: {ep.error}"
+            )
+    return episodes
 
 
 def sft_batch(cfg, task, tokenizer, stream, step: int) -> TrajectoryBatch:
@@ -93,10 +103,9 @@ def sft_batch(cfg, task, tokenizer, stream, step: int) -> TrajectoryBatch:
     items = [dataset_item(stream, i) for i in indices]
     masks = starts = None
     if is_multi_turn(task):
-        per_turn = cfg.task.env.max_tokens_per_turn or cfg.algorithm.max_new_tokens
-        prompts, targets, masks, starts = map(
-            list, zip(*(demonstration_episode(task, tokenizer, item, per_turn) for item in items))
-        )
+        episodes = demonstration_episodes(cfg, task, tokenizer, items)
+        prompts, targets = [e.prompt_ids for e in episodes], [e.response_ids for e in episodes]
+        masks, starts = [e.loss_mask for e in episodes], [e.turn_starts for e in episodes]
     else:
         prompts = [encode_prompt_item(tokenizer, item, getattr(task, "chat_template", "auto")) for item in items]
         targets = [tokenizer.encode(answer_text(item)) + [tokenizer.eos_id] for item in items]
