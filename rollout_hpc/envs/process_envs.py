@@ -139,7 +139,7 @@ class ProcessEnvs:
         deadline = {w: now + self.timeout + self.grace + (0 if self._ready(w) else START_TIMEOUT_S) for w in waiting}
         with selectors.DefaultSelector() as sel:
             for w in waiting:
-                sel.register(self._ready_worker(w).fd, selectors.EVENT_READ, w)
+                sel.register(self._running(w).fd, selectors.EVENT_READ, w)
             while waiting:
                 wait = max(0.0, min(deadline[w] for w in waiting) - time.monotonic())
                 for sk, _ in sel.select(timeout=wait):
@@ -149,7 +149,7 @@ class ProcessEnvs:
                         sel.unregister(sk.fd)
                         self._lose(w, waiting.pop(w), out, EPISODE_ERROR, "")
                         continue
-                    worker = self._ready_worker(w)
+                    worker = self._running(w)
                     worker.buf += data
                     for msg in split_messages(worker.buf):
                         if msg[0] == "fatal":
@@ -164,7 +164,7 @@ class ProcessEnvs:
                             sel.unregister(sk.fd)
                 now = time.monotonic()
                 for w in [w for w in waiting if deadline[w] <= now]:
-                    sel.unregister(self._ready_worker(w).fd)
+                    sel.unregister(self._running(w).fd)
                     why = f"did not answer within task.env.step_timeout={self.timeout:g}s + {self.grace:g}s (killed)"
                     self._lose(w, waiting.pop(w), out, EPISODE_TIMEOUT, why)
 
@@ -172,7 +172,8 @@ class ProcessEnvs:
         worker = self.workers[w]
         return worker is not None and worker.ready
 
-    def _ready_worker(self, w: int) -> _Worker:
+    def _running(self, w: int) -> _Worker:
+        """Worker w, started (it may not have answered "ready" yet)."""
         worker = self.workers[w]
         assert worker is not None
         return worker
@@ -180,7 +181,7 @@ class ProcessEnvs:
     def _lose(self, w: int, keys: list[Hashable], out: dict[Hashable, Reply], status: int, why: str) -> None:
         """Worker w is gone (or killed now): the calls it was running fail; its other open episodes fail at their
         next call; the next episodes get a new worker."""
-        worker = self._ready_worker(w)
+        worker = self._running(w)
         self.workers[w] = None
         code = reap(worker.proc)
         if worker.proc in self._procs:
