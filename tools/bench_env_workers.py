@@ -31,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from bench_agentic import spread  # noqa: E402 - the same median/min/max summary (tools/ is the script's directory)
 
 from rollout_hpc.backends.episodes import EpisodeSettings  # noqa: E402
 from rollout_hpc.backends.generate_hf import HFGenerator, SamplingParams  # noqa: E402
@@ -78,10 +79,6 @@ def play(gen, task, envs: int) -> tuple[float, list]:
     seconds = time.perf_counter() - t0
     f = batch.fixed
     return seconds, list(zip(f["n_turns"].tolist(), f["response_len"].tolist(), f["reward"].tolist()))
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def main() -> int:
