@@ -15,6 +15,8 @@ analysis reads it), so they live at the bottom of the package and import nothing
 
 from __future__ import annotations
 
+from pathlib import Path
+
 CONFIG_SNAPSHOT = "config.yaml"
 RESOLVED_CONFIG = "config.resolved.yaml"
 JOB_SCRIPT = "job.sbatch"
@@ -23,6 +25,13 @@ LOGS = "logs"
 DATA = "data"
 CHECKPOINTS = "checkpoints"
 TRAJECTORY_LOG = "trajectories.h5"
+
+
+def data_dir(run_dir: str | Path) -> Path | None:
+    """RUN_DIR/data when the run froze a dataset there (what load_task's data_dir takes), else None."""
+    path = Path(run_dir) / DATA
+    return path if path.is_dir() else None
+
 
 # Exit codes of a rank (and of the job step): the batch script (slurm/rollout.sbatch) and the local launcher read them.
 EXIT_OK = 0  # the run finished

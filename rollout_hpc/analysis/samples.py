@@ -10,7 +10,7 @@ import numpy as np
 from rollout_hpc.analysis.run_info import run_dir_of
 from rollout_hpc.config import load_config
 from rollout_hpc.envs.registry import load_task
-from rollout_hpc.rundir_layout import DATA, RESOLVED_CONFIG
+from rollout_hpc.rundir_layout import RESOLVED_CONFIG, data_dir
 from rollout_hpc.store.trajlog import TrajectoryReader, read_meta
 
 Decode = Callable[[np.ndarray], str]
@@ -39,8 +39,7 @@ def load_answers(run_dir: str | Path) -> Answer | None:
     run_dir = run_dir_of(run_dir)
     try:
         cfg = load_config(run_dir / RESOLVED_CONFIG, [])
-        data_dir = run_dir / DATA
-        prompts = load_task(cfg.task, data_dir=data_dir if data_dir.is_dir() else None).prompts(cfg.run.seed)
+        prompts = load_task(cfg.task, data_dir=data_dir(run_dir)).prompts(cfg.run.seed)
     except Exception:  # an older config, a plugin task whose module is not importable here, a moved data file
         return None
 

@@ -24,17 +24,13 @@ from pathlib import Path
 from rollout_hpc.envs import load_task
 from rollout_hpc.envs.hosts import Call, EnvHost, Reply, ThreadEnvs
 from rollout_hpc.envs.process_envs import ProcessEnvs
+from rollout_hpc.rundir_layout import data_dir
 from rollout_hpc.runtime import watchdog
 from rollout_hpc.runtime.world import ENV, GENERATOR
 
 CALLS_TAG, REPLIES_TAG = 7301, 7302
 BYE = "bye"
 POLL_S = 0.0002
-
-
-def _data_dir(run_dir: Path) -> Path | None:
-    data = Path(run_dir) / "data"
-    return data if data.is_dir() else None
 
 
 def _wait_for(comm, source: int, tag: int, status=None) -> None:
@@ -47,7 +43,7 @@ def local_host(cfg, task, run_dir: Path) -> EnvHost:
     """The host of the environments this rank runs itself: envs.workers processes, or threads of the rank."""
     timeout = cfg.task.env.step_timeout
     if cfg.envs.workers:
-        return ProcessEnvs(cfg.task, _data_dir(run_dir), cfg.envs.workers, timeout)
+        return ProcessEnvs(cfg.task, data_dir(run_dir), cfg.envs.workers, timeout)
     return ThreadEnvs(lambda key: task.make_env(), timeout)
 
 
@@ -83,7 +79,7 @@ def serve_environments(world, cfg, run_dir: Path) -> int:
     """An environment rank's loop: run each turn's calls of its generators until every one has said BYE."""
     from mpi4py import MPI
 
-    task = load_task(cfg.task, data_dir=_data_dir(run_dir))
+    task = load_task(cfg.task, data_dir=data_dir(run_dir))
     host = local_host(cfg, task, run_dir)
     comm = world.link(GENERATOR)  # remote ranks: the generators' group ranks
     mine = {g for g in range(comm.Get_remote_size()) if g % world.group_size == world.group_rank}

@@ -31,6 +31,7 @@ from rollout_hpc.errors import RewardFatal
 from rollout_hpc.exchange.faults import fault_point
 from rollout_hpc.exchange.weights import SyncClosed
 from rollout_hpc.rewards import REWARD_ERROR, REWARD_OK, RewardPool
+from rollout_hpc.rundir_layout import data_dir
 from rollout_hpc.runtime import watchdog
 from rollout_hpc.runtime.env_group import generator_host
 from rollout_hpc.runtime.evaluation import EvalSchedule, Evaluator
@@ -198,8 +199,8 @@ def generate_with_refills(world, cfg, plan, gen, dataset, exchange, workers, ver
 def reward_pool(cfg, task, run_dir: Path):
     """The reward worker processes of this generator rank (they rebuild the task from its config)."""
 
-    data_dir = run_dir / "data"
-    args = (cfg.task.model_dump(mode="json"), cfg.run.seed, str(data_dir) if data_dir.is_dir() else None)
+    data = data_dir(run_dir)
+    args = (cfg.task.model_dump(mode="json"), cfg.run.seed, str(data) if data is not None else None)
     return RewardPool(
         "rollout_hpc.envs.scoring:task_scorer",
         args,
@@ -219,8 +220,7 @@ def make_evaluator(world, cfg, gen, task, workers, eval_comm):
 
 def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights, eval_comm=None, rate=None) -> int:
     a = cfg.algorithm
-    data_dir = run_dir / "data"
-    task = load_task(cfg.task, data_dir=data_dir if data_dir.is_dir() else None)
+    task = load_task(cfg.task, data_dir=data_dir(run_dir))
     dataset = task.prompts(cfg.run.seed)
     gen = make_generator(cfg, model, tokenizer, task)
     multi_turn = is_multi_turn(task)

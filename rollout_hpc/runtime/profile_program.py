@@ -37,6 +37,7 @@ from rollout_hpc.errors import UserError
 from rollout_hpc.exchange.forward import Exchange
 from rollout_hpc.exchange.ring import Ring, ring_path
 from rollout_hpc.exchange.weights import SyncClosed, WeightSync
+from rollout_hpc.rundir_layout import data_dir
 from rollout_hpc.runtime import checkpointing, records
 from rollout_hpc.runtime.critic import PolicyAndCritic
 from rollout_hpc.runtime.generator_loop import generate_unscored, make_generator, reward_pool
@@ -135,7 +136,7 @@ def _max():
 
 
 def _generation(world, cfg, model, tokenizer, run_dir: Path, threads: int) -> dict:
-    task = load_task(cfg.task, data_dir=run_dir / "data" if (run_dir / "data").is_dir() else None)
+    task = load_task(cfg.task, data_dir=data_dir(run_dir))
     if is_multi_turn(task):
         raise UserError(
             f"rollout-hpc profile measures single-turn generation; task {cfg.task.name!r} is multi-turn (episodes): "

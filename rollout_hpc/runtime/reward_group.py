@@ -21,6 +21,7 @@ from pathlib import Path
 
 from rollout_hpc.envs import load_task
 from rollout_hpc.models import load_tokenizer
+from rollout_hpc.rundir_layout import data_dir
 from rollout_hpc.runtime import watchdog
 from rollout_hpc.runtime.model_rewards import ModelScorer
 
@@ -31,8 +32,7 @@ class RewardGroup:
     """One reward rank: its models (loaded at construction) and the loop that scores the stream."""
 
     def __init__(self, world, cfg, run_dir: Path, rate=None):
-        data_dir = Path(run_dir) / "data"
-        task = load_task(cfg.task, data_dir=data_dir if data_dir.is_dir() else None)
+        task = load_task(cfg.task, data_dir=data_dir(run_dir))
         self.world = world
         self.tokenizer = load_tokenizer(cfg.model)
         self.scorer = ModelScorer(cfg, task.prompts(cfg.run.seed), in_group=True)

@@ -21,6 +21,7 @@ import torch
 from rollout_hpc import algos
 from rollout_hpc.backends.trainer import make_trainer, score_tokens
 from rollout_hpc.envs import load_task
+from rollout_hpc.rundir_layout import data_dir
 from rollout_hpc.runtime import checkpointing, objective, records, sft, step_plan, watchdog
 from rollout_hpc.runtime.critic import Critic, PolicyAndCritic
 from rollout_hpc.runtime.evaluation import EvalReceiver, eval_points
@@ -152,8 +153,7 @@ class SFTPhase:
     """The warm-up's steps on the trainer ranks (runtime/sft.py): each rank trains its share of the step's pairs."""
 
     def __init__(self, cfg, world, trainer, tokenizer, run_dir: Path, sink):
-        data_dir = Path(run_dir) / "data"
-        self.task = load_task(cfg.task, data_dir=data_dir if data_dir.is_dir() else None)
+        self.task = load_task(cfg.task, data_dir=data_dir(run_dir))
         self.cfg, self.world, self.trainer, self.tokenizer, self.sink = cfg, world, trainer, tokenizer, sink
         self.stream = sft.sft_stream(self.task, cfg.run.seed)
         self.loss_fn = sft.make_sft_loss_fn(cfg)
