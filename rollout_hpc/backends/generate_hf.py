@@ -10,6 +10,11 @@ the nucleus get a slightly higher log-probability than the unfiltered distributi
 
 Sampling uses the Gumbel-max trick with uniforms from a CPU torch.Generator, so a seed
 gives the same tokens whichever device holds the model (up to the logits themselves).
+
+Single-turn calls drop finished rows from the batch (and their keys and values) as they go, so a batch whose
+answers are mostly short pays for its few long ones only on their rows; with one generator per row this samples
+the same tokens as a fixed batch (log-probabilities may differ in the last bits: CPU matmuls of a few rows take
+other kernels).
 """
 
 from __future__ import annotations
@@ -178,6 +183,20 @@ def _kept_prefixes(prompts, responses, attn, cache, width: int) -> list[CachedPr
     ]
 
 
+def _logits_kwarg(model) -> dict:
+    """Only the last position's logits (a step needs no others): a prompt's [rows, columns, vocab] would be large."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+
+def _stop_string_hits(stop_text, params: SamplingParams, out_ids, rows, check, t: int) -> list[int]:
+    """Which batch rows of `check` (live rows, all with t + 1 tokens) end with a stop string in their text's tail."""
+    if not check.numel():
+        return []
+    lo = max(0, t + 1 - (max(len(x) for x in params.stop) + 8))
+    tails = out_ids[rows[check], lo : t + 1].tolist()  # one transfer for every row
+    return [i for i, tail in zip(check.tolist(), tails) if any(x in stop_text(tail) for x in params.stop)]
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -187,13 +206,18 @@ def generate(
     generator: torch.Generator | Sequence[torch.Generator] | None = None,
     stop_text: Callable[[list[int]], str] | None = None,
     prefixes: Sequence[CachedPrefix | None] | None = None,
+    compact: bool = True,
+    watch: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], bool] | None = None,
 ) -> Generation:
     """Sample one response per prompt (token lists) with a KV cache; prompts are left-padded.
     `generator`: one CPU torch.Generator for the batch, or one per prompt. `stop_text` (a decode function)
     is needed for params.stop: a row ends at the token after which its text's tail contains a stop string
     (the caller cuts exactly with cut_at_stop_strings). `prefixes` (one per row, None: none): what earlier calls
     ran of each prompt (the start it shares is not run again); then the result's `prefixes` are each row's for the
-    next call."""
+    next call. `compact`: drop finished rows from the batch as they go (without prefixes, with per-row generators or
+    greedy; False: the batch keeps its shape). `watch(t, finished, out_ids, lengths)`, after each token t (every row's
+    finished flag, tokens so far and lengths, in prompt order): True stops generation there (unfinished rows are then
+    returned as far as they got, truncated)."""
     n = len(prompts)
     if n == 0:
         return Generation([], [], [])
@@ -212,36 +236,65 @@ def generate(
     out_ids = torch.full((n, params.max_new_tokens), pad_id, dtype=torch.long, device=device)
     out_lp = torch.zeros((n, params.max_new_tokens), dtype=torch.float32, device=device)
     lengths = torch.zeros(n, dtype=torch.long, device=device)
-    finished = torch.zeros(n, dtype=torch.bool, device=device)
+    # Finished rows leave the batch (their keys and values too) once enough have finished, so a long-tailed batch
+    # does not pay full-batch steps for its longest answers. Not with prefixes (the next turn reuses the whole
+    # cache), nor with one generator for the batch: its draws depend on the batch shape, per-row ones do not.
+    compact = compact and prefixes is None and (params.greedy or isinstance(generator, (list, tuple)))
+    gens = list(generator) if isinstance(generator, (list, tuple)) else generator
+    rows = torch.arange(n, device=device)  # batch row -> row of the result (the identity until a compaction)
+    finished = torch.zeros(n, dtype=torch.bool, device=device)  # per batch row
 
-    cache_kw = _cache_kwarg(model)
+    cache_kw, logits_kw = _cache_kwarg(model), _logits_kwarg(model)
     step_ids, step_pos = ids, positions
     for t in range(params.max_new_tokens):
-        out = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos, use_cache=True, **{cache_kw: past})
+        out = model(
+            input_ids=step_ids,
+            attention_mask=attn,
+            position_ids=step_pos,
+            use_cache=True,
+            **{cache_kw: past},
+            **logits_kw,
+        )
         past = out[cache_kw]
         if params.greedy:
             logp = torch.log_softmax(out.logits[:, -1, :].float(), dim=-1)
             token = torch.argmax(logp, dim=-1)
         else:
             logp = sampling_logprobs(out.logits[:, -1, :], params.temperature, params.top_p)
-            token = _sample(logp, generator)
+            token = _sample(logp, gens)
         live = ~finished
-        out_ids[live, t] = token[live]
-        out_lp[live, t] = logp.gather(-1, token[:, None])[:, 0][live]
-        lengths += live.long()
-        finished |= torch.isin(token, stop) if len(stop) else torch.zeros_like(finished)
-        if stop_text is not None:  # stop strings: look at the tail of each live row's text
-            tail = max(len(x) for x in params.stop) + 8
-            for i in torch.nonzero(live & ~finished).flatten().tolist():
-                lo = max(0, int(lengths[i]) - tail)
-                if any(x in stop_text(out_ids[i, lo : int(lengths[i])].tolist()) for x in params.stop):
-                    finished[i] = True
-        if bool(finished.all()):
+        # Tensor ops only (no host sync): finished rows write what they held (padding, log-prob 0).
+        out_ids[rows, t] = torch.where(live, token, pad_id)
+        out_lp[rows, t] = torch.where(live, logp.gather(-1, token[:, None])[:, 0], 0.0)
+        lengths[rows] += live.long()
+        if len(stop):
+            finished |= torch.isin(token, stop)
+        if stop_text is not None:  # stop strings: decode the tail of each row still going
+            hits = _stop_string_hits(stop_text, params, out_ids, rows, torch.nonzero(~finished).flatten(), t)
+            if hits:
+                finished[hits] = True
+        done = int(finished.sum())  # the step's one host sync
+        if watch is not None:  # the caller may stop here (runtime.rollout_scheduler: the step's groups are known)
+            every = torch.ones(n, dtype=torch.bool, device=device)  # rows compacted away had finished
+            every[rows] = finished
+            if watch(t, every, out_ids, lengths):
+                break
+        if done == len(rows):
             break
-        # Finished rows keep being fed (their outputs are ignored): the batch shape stays fixed.
+        # Rows finished but still in the batch are fed padding (their outputs are ignored).
         step_ids = torch.where(finished, torch.full_like(token, pad_id), token)[:, None]
         step_pos = step_pos[:, -1:] + 1
-        attn = torch.cat([attn, torch.ones((n, 1), dtype=attn.dtype, device=device)], dim=1)
+        attn = torch.cat([attn, torch.ones((len(rows), 1), dtype=attn.dtype, device=device)], dim=1)
+        # Compact once a quarter of the batch has finished since the last time: each compaction copies the cache.
+        if compact and 4 * done >= len(rows) and hasattr(past, "reorder_cache"):
+            keep = torch.nonzero(~finished).flatten()
+            # reorder_cache: the row selection beam search uses; unlike batch_select_indices it also covers the
+            # states of linear-attention layers.
+            past.reorder_cache(keep)
+            rows, finished, attn = rows[keep], finished[keep], attn[keep]
+            step_ids, step_pos = step_ids[keep], step_pos[keep]
+            if isinstance(gens, list):
+                gens = [gens[i] for i in keep.tolist()]
 
     lengths_l, ids_l, lp_l = lengths.tolist(), out_ids.tolist(), out_lp.tolist()
     responses = [ids_l[i][: lengths_l[i]] for i in range(n)]
@@ -281,7 +334,12 @@ class HFGenerator(Generator):
         load_weights_into(self.model, weights, complete=not self.partial_weights)
 
     def generate(
-        self, prompts: list[list[int]], seeds: list[int], params: SamplingParams | None = None, cache_keys=None
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        params: SamplingParams | None = None,
+        cache_keys=None,
+        watch=None,
     ) -> Generation:
         params = params or self.sampling
         generators = [torch.Generator().manual_seed(s) for s in seeds]
@@ -297,6 +355,7 @@ class HFGenerator(Generator):
             generators,
             stop_text=self.tokenizer.decode if params.stop else None,
             prefixes=prefixes,
+            watch=watch,
         )
         if cache_keys is not None:
             assert out.prefixes is not None  # generate() returns them when given prefixes

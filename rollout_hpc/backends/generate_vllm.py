@@ -75,9 +75,16 @@ class VLLMGenerator(Generator):
             self.max_context = self.llm.llm_engine.model_config.max_model_len
 
     def generate(
-        self, prompts: list[list[int]], seeds: list[int], params: SamplingParams | None = None, cache_keys=None
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        params: SamplingParams | None = None,
+        cache_keys=None,
+        watch=None,
     ) -> Generation:
         # cache_keys: ignored; the engine's own prefix caching (enable_prefix_caching) serves an episode's turns
+        if watch is not None:  # config refuses generator.extra_prompts with this backend
+            raise NotImplementedError("the vLLM backend cannot abort a generation midway (generator.extra_prompts)")
         vllm = self._vllm
         s = params or self.sampling
         # Stop strings need text, and the engine has no tokenizer (skip_tokenizer_init): responses are cut after

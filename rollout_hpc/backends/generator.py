@@ -169,12 +169,19 @@ class Generator:
     env_host: EnvHost | None = None  # where the environments live (envs/hosts.py); None: threads of this rank
 
     def generate(
-        self, prompts: list[list[int]], seeds: list[int], params: SamplingParams | None = None, cache_keys=None
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        params: SamplingParams | None = None,
+        cache_keys=None,
+        watch=None,
     ) -> Generation:
         """One response per prompt; sample i seeded by seeds[i]; params default to self.sampling. cache_keys (one
         hashable per row): the backend may keep what it computed for the row and, when the next call with the same
         key has a prompt that starts with this one and its response, not compute that start again (an episode's
-        turns); rows of keys absent from a call are dropped. A backend without such a cache ignores them."""
+        turns); rows of keys absent from a call are dropped. A backend without such a cache ignores them.
+        watch(t, finished, out_ids, lengths) -> bool: called after each token, True aborts the rest (the HF backend
+        only: generator.extra_prompts is refused for the others)."""
         raise NotImplementedError
 
     def forget_prefixes(self) -> None:
