@@ -574,6 +574,14 @@ class GroupSection(TaskResources):
 class GeneratorSection(GroupSection):
     backend: Literal["hf", "vllm"] = "hf"
     tensor_parallel: int = Field(1, ge=1)
+    extra_prompts: int = Field(
+        0,
+        ge=0,
+        description="Sample-level rollout scheduling: generate this many prompts more than a step trains on; the "
+        "step takes the groups that finish first and aborts the rest, whose prompts are retried (fresh samples) at "
+        "the next step, where they must finish. Cuts the long tail of on-policy steps; which prompts a step trains on "
+        "then depends on when groups finish (0: exactly algorithm.prompts_per_step, bitwise-reproducible resume).",
+    )
 
 
 class TrainerSection(GroupSection):
@@ -780,6 +788,8 @@ class Config(_Section):
     def _feasible(self) -> Config:
         if self.placement == "colocated":
             self._check_colocated()
+        if self.generator.extra_prompts:
+            self._check_extra_prompts()
         cap = self.slurm.gpus_per_node
         for name in ("generator", "trainer"):
             g: GroupSection = getattr(self, name)
@@ -937,6 +947,34 @@ class Config(_Section):
                         f"({', '.join(known) or 'the task has no named sources'}); leave domains out to score every sample"
                     )
         return self
+
+    def _check_extra_prompts(self) -> None:
+        extra, a = self.generator.extra_prompts, self.algorithm
+        why = None
+        if extra > a.prompts_per_step:
+            why = (
+                f"is more than algorithm.prompts_per_step ({a.prompts_per_step}): a step retries at most as many "
+                "prompts as it trains; lower it"
+            )
+        elif self.exchange.max_staleness:
+            why = (
+                f"cuts the long tail of on-policy steps, but exchange.max_staleness is {self.exchange.max_staleness} "
+                "(the tail already overlaps training there); set one of them to 0"
+            )
+        elif a.dynamic_sampling or ALGORITHMS[a.name].dynamic_sampling:
+            why = (
+                f"is not combined with dynamic sampling yet (algorithm {a.name}"
+                f"{', dynamic_sampling: true' if a.dynamic_sampling else ''}); set generator.extra_prompts: 0"
+            )
+        elif self.generator.backend != "hf":
+            why = (
+                f"aborts the slow groups inside the HF backend's sampling loop; backend '{self.generator.backend}' "
+                "has no such abort yet: set generator.extra_prompts: 0"
+            )
+        elif self.task.sources():
+            why = "does not keep a mixed dataset's per-source quotas yet: set generator.extra_prompts: 0"
+        if why:
+            raise ValueError(f"generator.extra_prompts ({extra}) {why}")
 
     def _check_colocated(self) -> None:
         if self.exchange.max_staleness:

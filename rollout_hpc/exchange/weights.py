@@ -52,6 +52,7 @@ class _Header:
     dtypes: list[str]
     shapes: list[tuple[int, ...]]
     chunk_bytes: int
+    meta: dict | None = None  # small JSON data that goes with this version (the prompt sampler's state)
 
     def to_json(self) -> bytes:
         """The wire form: JSON (never pickle: a header is data, and unpickling executes whatever a peer sent)."""
@@ -63,6 +64,7 @@ class _Header:
                 "dtypes": self.dtypes,
                 "shapes": [list(s) for s in self.shapes],
                 "chunk_bytes": self.chunk_bytes,
+                "meta": self.meta,
             }
         ).encode()
 
@@ -79,6 +81,7 @@ class _Header:
             list(d["dtypes"]),
             [tuple(int(x) for x in s) for s in d["shapes"]],
             int(d["chunk_bytes"]),
+            d.get("meta"),
         )
 
     @property
@@ -133,6 +136,8 @@ class WeightSync:
         self._poll_interval = poll_interval
         self._cond = threading.Condition()
         self._latest: tuple[int, dict] | None = None
+        self._latest_meta: dict | None = None
+        self.meta: dict | None = None  # the `meta` published with the version poll()/receive() last handed out
         self._taken = -1  # newest version handed out by poll()/receive()
         self._waiting = 0  # generator threads blocked in receive()
         self._wake = threading.Event()  # set by receive(): the receiver thread stops its slow wait and probes
@@ -148,9 +153,10 @@ class WeightSync:
             self._thread.start()
 
     # --- trainer side --------------------------------------------------------
-    def publish(self, version: int, tensors: dict | None, *, _stop: bool = False) -> dict:
+    def publish(self, version: int, tensors: dict | None, *, meta: dict | None = None, _stop: bool = False) -> dict:
         """Send `tensors` as policy `version` to every generator. Collective over the trainer group; only
-        group rank 0's `tensors` are used (others may pass None). Returns the stats of this sync."""
+        group rank 0's `tensors` and `meta` are used (others may pass None). `meta`: JSON-able data the generators
+        read as `meta` with this version. Returns the stats of this sync."""
         MPI = self._MPI
         if not self.world.is_trainer:
             raise RuntimeError("publish() is for trainer ranks; generators call receive() or poll()")
@@ -168,6 +174,7 @@ class WeightSync:
             dtypes=[a.dtype.str for a in arrays],
             shapes=[tuple(a.shape) for a in arrays],
             chunk_bytes=self.chunk_bytes,
+            meta=meta,
         )
         blob = header.to_json()
         reqs = [self.comm.Isend([blob, MPI.BYTE], dest=g, tag=_TAG_HEADER) for g in range(self.comm.Get_remote_size())]
@@ -246,7 +253,7 @@ class WeightSync:
                     if header.stop:
                         self._closed = True
                     else:
-                        self._latest = (header.version, tensors)
+                        self._latest, self._latest_meta = (header.version, tensors), header.meta
                         self.history.append(
                             {
                                 "version": header.version,
@@ -281,6 +288,7 @@ class WeightSync:
             raise RuntimeError(f"weight sync receiver failed: {self._error!r}") from self._error
         if self._latest is not None and self._latest[0] >= min_version:
             self._taken = max(self._taken, self._latest[0])
+            self.meta = self._latest_meta
             return self._latest
         if self._closed:
             raise SyncClosed(f"the trainers closed the weight stream (newest version {self._taken})")

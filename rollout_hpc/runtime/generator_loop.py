@@ -16,6 +16,7 @@ restart.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from pathlib import Path
@@ -36,6 +37,7 @@ from rollout_hpc.runtime import watchdog
 from rollout_hpc.runtime.env_group import generator_host
 from rollout_hpc.runtime.evaluation import EvalSchedule, Evaluator
 from rollout_hpc.runtime.model_rewards import ModelScorer
+from rollout_hpc.runtime.rollout_scheduler import PromptSampler, scheduled_rollout
 from rollout_hpc.runtime.step_plan import Informative, StepPlan, informative_groups, rank_share
 
 
@@ -78,8 +80,9 @@ class RewardWorkers:
                         )
             return results
 
-    def _scored(self, batch, keys: list, texts: list[str]):
-        results = self.score(list(zip(keys, texts)))
+    def _scored(self, batch, keys: list, texts: list[str], results: list | None = None):
+        if results is None:
+            results = self.score(list(zip(keys, texts)))
         batch.fixed["reward"] = [r.value for r in results]
         batch.fixed["reward_status"] = [r.status for r in results]
         if self.models is not None:
@@ -90,9 +93,10 @@ class RewardWorkers:
         batch.fixed["t_end"] = time.time()
         return batch
 
-    def submit(self, batch, keys: list, texts: list[str]) -> None:
-        """`batch` rows are (prompt, sample) ordered; keys/texts per row. Rewards fill batch.fixed['reward']."""
-        self.queue.put((batch, keys, texts))
+    def submit(self, batch, keys: list, texts: list[str], results: list | None = None) -> None:
+        """`batch` rows are (prompt, sample) ordered; keys/texts per row. Rewards fill batch.fixed['reward'] (from
+        `results` where the rows were scored already: runtime.rollout_scheduler scores samples as they finish)."""
+        self.queue.put((batch, keys, texts, results))
 
     def score_now(self, batch, keys: list, texts: list[str]):
         """Score and wait (dynamic sampling must see rewards before it decides on a refill)."""
@@ -250,6 +254,7 @@ def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights
         evaluator.run(point, version)
 
     warmup, total = cfg.warmup.sft_steps, cfg.total_steps
+    aborted = 0  # samples cut off by generator.extra_prompts' scheduling
     try:
         while step < warmup:  # SFT warm-up: the trainers train alone; evaluate its points as their weights come
             point = schedule.next_point()
@@ -273,7 +278,16 @@ def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights
             except SyncClosed:
                 break  # the trainers stopped (end of run, or a checkpoint-and-stop)
             plan = StepPlan.for_step(cfg, step - warmup)  # RL steps count their prompts from 0
-            if plan.done:  # one round: hand it to the reward workers and go on to the next step
+            if cfg.generator.extra_prompts:  # the prompt sampler's state comes with the weights of this step
+                assert workers is not None  # single-turn only (envs.registry.check_task)
+                sampler = PromptSampler.from_meta(cfg, (weights.meta or {}).get("sampler"))
+                got = scheduled_rollout(
+                    gen, dataset, sampler, world.group_rank, a.group_size, world.rank, version, workers
+                )
+                if got is not None:
+                    aborted += got.aborted
+                    workers.submit(got.batch, got.keys, got.texts, got.results)
+            elif plan.done:  # one round: hand it to the reward workers and go on to the next step
                 ids = rank_share(plan.round, world.group_rank, world.group_size)
                 if len(ids):
                     if multi_turn:  # episodes score themselves turn by turn
@@ -293,6 +307,8 @@ def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights
     finally:
         if workers is not None:
             workers.close()
+        if aborted:
+            print(f"rollout-hpc: generator rank {world.rank} aborted {aborted} unfinished samples", file=sys.stderr)
         if gen.env_host is not None:  # an environment rank ends once each of its generators has said so
             gen.env_host.close()
     return 0

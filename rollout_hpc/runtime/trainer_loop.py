@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ from rollout_hpc.runtime.critic import Critic, PolicyAndCritic
 from rollout_hpc.runtime.evaluation import EvalReceiver, eval_points
 from rollout_hpc.runtime.metrics import MetricsSink, batch_metrics
 from rollout_hpc.runtime.model_rewards import ModelRewardNorm
+from rollout_hpc.runtime.rollout_scheduler import PromptSampler
 from rollout_hpc.runtime.step_plan import StepPlan, informative_groups
 from rollout_hpc.runtime.trackers import attach_trackers
 from rollout_hpc.runtime.world import abort_world, sleeping_barrier
@@ -48,17 +50,19 @@ class StepReceiver:
 
     # With several trainer ranks each takes what has arrived, waiting at most poll_s, then the group allgathers: a
     # rank's wait ends as soon as records arrive, so poll_s only bounds how long an empty-handed rank holds the others.
-    def __init__(self, exchange, world, cfg, poll_s: float = 0.002):
+    def __init__(self, exchange, world, cfg, poll_s: float = 0.002, sampler: PromptSampler | None = None):
         self.exchange, self.world, self.cfg = exchange, world, cfg
         self.G = cfg.algorithm.group_size
         self.poll_s = poll_s
         self.pool = TrajectoryBatch.empty()
+        self.sampler = sampler  # generator.extra_prompts: which prompts each generator rank may send (on-policy)
 
     def _in(self, prompts) -> np.ndarray:
         return step_plan.in_prompts(self.pool.fixed["prompt_id"], prompts)
 
-    def _wait_for(self, step: int, prompts) -> None:
-        need = len(prompts) * self.G
+    def _wait_for(self, step: int, prompts, need: int | None = None) -> None:
+        """Until the pool holds `need` records (default: whole groups of all of `prompts`) of `prompts`."""
+        need = len(prompts) * self.G if need is None else need
         while (have := int(self._in(prompts).sum())) < need:
             # In slices: a stop signal or another rank's hang report ends the wait (watchdog.Interrupted), on
             # every trainer rank at the same round (the group agrees in the allgather).
@@ -87,7 +91,24 @@ class StepReceiver:
                 )
             self.pool = TrajectoryBatch.concat([self.pool, *new])
 
-    def get(self, step: int) -> tuple[TrajectoryBatch, StepPlan]:
+    def _get_scheduled(self, step: int) -> tuple[TrajectoryBatch, ScheduledStep]:
+        """generator.extra_prompts: the step is whatever groups the generators chose among their candidates
+        (on-policy, so every record that arrives now is this step's); the sampler checks the choice and moves on."""
+        assert self.sampler is not None
+        s = self.sampler
+        candidates = np.sort(np.concatenate([np.concatenate(s.candidates(r)) for r in range(s.n_ranks)]))
+        self._wait_for(step, candidates, need=sum(s.quotas) * self.G)
+        rows = self._in(candidates)
+        batch, self.pool = self.pool.select(rows), self.pool.select(~rows)
+        f = batch.fixed
+        trained = {r: f["prompt_id"][f["gen_rank"] == r] for r in range(s.n_ranks)}  # generators: world ranks [0, R)
+        retried = sum(len(r) for r in s.retries)
+        deferred = s.advance(trained)
+        return batch, ScheduledStep(np.unique(f["prompt_id"].astype(np.int64)), retried, deferred)
+
+    def get(self, step: int) -> tuple[TrajectoryBatch, StepPlan | ScheduledStep]:
+        if self.sampler is not None:
+            return self._get_scheduled(step)
         plan = StepPlan.for_step(self.cfg, step)
         while True:
             self._wait_for(step, plan.round)
@@ -96,6 +117,17 @@ class StepReceiver:
         rows = self._in(plan.prompts)
         batch, self.pool = self.pool.select(rows), self.pool.select(~rows)
         return batch, plan
+
+
+@dataclass
+class ScheduledStep:
+    """What a step trained on with generator.extra_prompts (the StepPlan of the other runs)."""
+
+    prompts: np.ndarray
+    retried: int  # prompts deferred by the step before, trained now
+    deferred: int  # prompts this step aborted, retried at the next
+    rounds: int = 1
+    max_rounds: int = 1
 
 
 class Reference:
@@ -225,7 +257,12 @@ def run_trainer(
     a = cfg.algorithm
     trainer, reference, critic, loss_fn = build_learner(cfg, model, world)
     reward_norm = ModelRewardNorm(cfg) if cfg.rewards.models else None  # its statistics are checkpointed
-    extras = {ModelRewardNorm.CHECKPOINT_KEY: reward_norm} if reward_norm else {}
+    extras: dict = {ModelRewardNorm.CHECKPOINT_KEY: reward_norm} if reward_norm else {}
+    # generator.extra_prompts: which prompts were deferred is run state (checkpointed, sent with the weights)
+    sampler = PromptSampler.for_config(cfg) if cfg.generator.extra_prompts else None
+    if sampler is not None:
+        extras[PromptSampler.CHECKPOINT_KEY] = sampler
+    meta = (lambda: {"sampler": sampler.meta()}) if sampler is not None else (lambda: None)
     ckpt = checkpointing.Checkpointer(world, cfg, run_dir, extras=extras)
     checkpointed = PolicyAndCritic(trainer, critic) if critic else trainer
     start = ckpt.resume(checkpointed)  # 0 for a fresh run
@@ -233,9 +270,9 @@ def run_trainer(
     sink = MetricsSink(run_dir, cfg, steps_done=start, quiet=quiet) if is_logger else None
     if sink is not None:  # logging.trackers (TensorBoard, W&B, MLflow) follow the log's rows
         attach_trackers(sink.log, cfg, run_dir, start)
-    receiver = StepReceiver(exchange, world, cfg)
+    receiver = StepReceiver(exchange, world, cfg, sampler=sampler)
     evals = EvalReceiver(eval_comm, source=0, quiet=quiet) if is_logger and eval_comm is not None else None
-    sync = weights.publish(start, trainer.full_weights())  # generators start from exactly these weights
+    sync = weights.publish(start, trainer.full_weights(), meta=meta())  # generators start from exactly these weights
     warmup, total = cfg.warmup.sft_steps, cfg.total_steps
     warm = SFTPhase(cfg, world, trainer, tokenizer, run_dir, sink) if start < warmup else None
     exit_code = 0
@@ -251,7 +288,7 @@ def run_trainer(
                 assert warm is not None  # made whenever the run starts inside the warm-up
                 warm.step(step)
                 if step + 1 in warm.publish_at:  # the generators wait for these: an eval point, the start of RL
-                    weights.publish(step + 1, trainer.full_weights())
+                    weights.publish(step + 1, trainer.full_weights(), meta=meta())
                 # The generators are idle during warm-up: an eval point is evaluated on exactly its weights while
                 # the trainers wait (the other ranks wait in the next step's collectives), never left in flight.
                 if evals and step + 1 in warm.eval_points:
@@ -274,13 +311,15 @@ def run_trainer(
             records.check_staleness(batch, step, cfg.exchange.max_staleness)
 
             stats = {"generation_rounds": float(plan.rounds)} if plan.max_rounds > 1 else {}
+            if isinstance(plan, ScheduledStep):
+                stats.update(retried_prompts=float(plan.retried), deferred_prompts=float(plan.deferred))
             if reward_norm is not None:  # rule + normalized model scores (every trainer rank: the same batch)
                 stats.update(reward_norm.apply(batch))
             adv_stats, update_stats = learn(cfg, world, trainer, reference, critic, loss_fn, batch)
             stats.update(update_stats)
             t_trained = time.perf_counter()
 
-            sync = weights.publish(step + 1, trainer.full_weights())
+            sync = weights.publish(step + 1, trainer.full_weights(), meta=meta())
             t_synced = time.perf_counter()
 
             if is_logger:

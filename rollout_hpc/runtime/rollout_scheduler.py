@@ -1,0 +1,235 @@
+"""Sample-level rollout scheduling (generator.extra_prompts: N): a step generates N prompts more than it trains
+on, takes the groups that finish first, and aborts the long tail.
+
+The rule, per generator rank r (P_r of the step's P prompts, N_r of the N extra: contiguous splits):
+
+- its candidates are the prompts it deferred at the previous step ("retries", N_r of them after the first step),
+  then fresh prompts from the stream's cursor, P_r + N_r in all;
+- retries must finish (each prompt is deferred at most once, so a prompt whose answers are always long still
+  trains, one step late: the data is not biased toward short answers); they are sampled afresh
+  (derive_seed(run seed, prompt, sample, RETRY)), not replaying the tail they were cut from;
+- the rank's step is its retries plus the first P_r - (retries) fresh groups to finish (ties: stream order); a
+  group finishes when all of its samples have; the moment that set is known, generation of the others stops;
+- the fresh prompts left out are this rank's retries at the next step.
+
+Every rank applies it to its own candidates, so no message passes between generators; the trainers replay the
+same rule from what arrived (which prompts each generator rank trained) to know the next step's candidates, check
+that nothing was trained twice or skipped, checkpoint the state, and publish it with the weights
+(WeightSync meta): the generators read it from there, so it has one owner and survives a resume. Exactly-once
+holds; which prompts a step trains on depends on timing (on the HF backend on a CPU it is still deterministic).
+
+Each sample is scored as soon as it finishes (the reward workers run beside the rest of the generation), not
+when its whole batch has.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rollout_hpc.backends.generator import derive_seed, stop_string_end, trajectory_batch
+from rollout_hpc.envs.base import dataset_item
+from rollout_hpc.trajectory import TrajectoryBatch
+
+RETRY = 1  # the seed part that tells a retried prompt's samples from its first attempt's
+
+
+def _split(total: int, n_ranks: int) -> list[int]:
+    """Sizes of the contiguous split of `total` over ranks (as runtime.step_plan.rank_share splits prompts)."""
+    return [len(part) for part in np.array_split(np.arange(total), n_ranks)]
+
+
+class PromptSampler:
+    """Which prompts each generator rank generates at the next step, with generator.extra_prompts: the stream's
+    cursor and each rank's retries. Owned by the trainers (checkpointed); generators get it with the weights."""
+
+    CHECKPOINT_KEY = "prompt_sampler"
+
+    def __init__(self, prompts_per_step: int, extra_prompts: int, n_ranks: int):
+        self.quotas = _split(prompts_per_step, n_ranks)
+        self.extras = _split(extra_prompts, n_ranks)
+        self.cursor = 0  # the next fresh prompt of the stream
+        self.retries: list[np.ndarray] = [np.empty(0, np.int64) for _ in range(n_ranks)]
+
+    @classmethod
+    def for_config(cls, cfg) -> PromptSampler:
+        return cls(cfg.algorithm.prompts_per_step, cfg.generator.extra_prompts, cfg.generator.ranks)
+
+    @property
+    def n_ranks(self) -> int:
+        return len(self.quotas)
+
+    def _fresh_counts(self) -> list[int]:
+        return [q + x - len(r) for q, x, r in zip(self.quotas, self.extras, self.retries)]
+
+    def candidates(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """(retries, fresh prompts) of generator group rank `rank` for the coming step, in stream order."""
+        counts = self._fresh_counts()
+        start = self.cursor + sum(counts[:rank])
+        return self.retries[rank], np.arange(start, start + counts[rank], dtype=np.int64)
+
+    def advance(self, trained: dict[int, np.ndarray]) -> int:
+        """After a step: `trained` = {generator group rank: prompts trained from it}. Checks them against the rule
+        (every retry, P_r prompts, only candidates) and moves on; returns how many prompts were deferred."""
+        retries = []
+        for rank in range(self.n_ranks):
+            retry, fresh = self.candidates(rank)
+            got = np.unique(np.asarray(trained.get(rank, ()), np.int64))
+            problem = None
+            if not np.isin(retry, got).all():
+                problem = f"retried prompts {np.setdiff1d(retry, got)[:5].tolist()} are missing"
+            elif not np.isin(got, np.concatenate([retry, fresh])).all():
+                problem = (
+                    f"prompts {np.setdiff1d(got, np.concatenate([retry, fresh]))[:5].tolist()} were not its to run"
+                )
+            elif len(got) != self.quotas[rank]:
+                problem = f"{len(got)} prompts trained, its share is {self.quotas[rank]}"
+            if problem:
+                raise ValueError(
+                    f"generator rank {rank}: {problem} (candidates: retries {retry.tolist()}, fresh "
+                    f"[{fresh[0] if len(fresh) else self.cursor}, +{len(fresh)})): generators and trainers disagree "
+                    "on the prompt sampler"
+                )
+            retries.append(np.setdiff1d(fresh, got))
+        self.cursor += sum(self._fresh_counts())
+        self.retries = retries
+        return sum(len(r) for r in retries)
+
+    # --- persistence: the checkpoint (arrays) and the weight sync's meta (JSON) ---------------------------------
+
+    def state_dict(self) -> dict:
+        ranks = np.concatenate([np.full(len(r), i, np.int64) for i, r in enumerate(self.retries)])
+        return {"cursor": np.int64(self.cursor), "retries": np.concatenate(self.retries), "retry_ranks": ranks}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor = int(state["cursor"])
+        retries, ranks = np.asarray(state["retries"], np.int64), np.asarray(state["retry_ranks"], np.int64)
+        if len(retries) and int(ranks.max()) >= self.n_ranks or sum(self.extras) < len(retries):
+            # The generator group changed size since the checkpoint: deal the retries out again, in order.
+            bounds = np.cumsum([0, *self.extras])
+            merged = np.sort(retries)
+            self.retries = [merged[bounds[i] : bounds[i + 1]] for i in range(self.n_ranks)]
+            return
+        self.retries = [retries[ranks == i] for i in range(self.n_ranks)]
+
+    def meta(self) -> dict:
+        return {"cursor": self.cursor, "retries": [r.tolist() for r in self.retries]}
+
+    @classmethod
+    def from_meta(cls, cfg, meta: dict | None) -> PromptSampler:
+        sampler = cls.for_config(cfg)
+        if meta is None:
+            raise RuntimeError("generator.extra_prompts: the weights came without the prompt sampler's state")
+        sampler.cursor = int(meta["cursor"])
+        sampler.retries = [np.asarray(r, np.int64) for r in meta["retries"]]
+        return sampler
+
+
+def pick_groups(done_at: np.ndarray, group_size: int, n_retries: int, quota: int) -> np.ndarray | None:
+    """Candidate groups (indices; the first `n_retries` are retries) that make the step, or None while that is not
+    known yet. done_at: per row, the token index at which it finished (-1: still generating)."""
+    rows = done_at.reshape(-1, group_size)
+    finished: np.ndarray = np.asarray((rows >= 0).all(axis=1))
+    if not finished[:n_retries].all():
+        return None
+    fresh = np.flatnonzero(finished[n_retries:]) + n_retries
+    need = quota - n_retries
+    if len(fresh) < need:
+        return None
+    order = np.lexsort((fresh, rows[fresh].max(axis=1)))  # first to finish; ties in stream order
+    return np.sort(np.concatenate([np.arange(n_retries), fresh[order[:need]]]))
+
+
+@dataclass
+class ScheduledRollout:
+    """One rank's share of a step: the chosen groups' records (rewards in `results`), their reward keys and texts."""
+
+    batch: TrajectoryBatch
+    keys: list
+    texts: list[str]
+    results: list
+    aborted: int  # samples cut off before they finished
+
+
+def scheduled_rollout(
+    gen, dataset, sampler: PromptSampler, rank: int, group_size: int, gen_rank: int, version: int, workers
+) -> ScheduledRollout | None:
+    """Generate this rank's candidates, stop once the step's groups are known, score each sample as it finishes.
+    None when the rank has no prompts this step."""
+    retry, fresh = sampler.candidates(rank)
+    prompts_ids = np.concatenate([retry, fresh])
+    if not len(prompts_ids):
+        return None
+    t_start = time.time()
+    G, n = group_size, len(prompts_ids) * group_size
+    tokens = {int(i): gen.encode_prompt(dataset_item(dataset, int(i))) for i in prompts_ids}
+    rows = [(int(i), s) for i in prompts_ids for s in range(G)]
+    seeds = [
+        derive_seed(gen.seed, i, s, RETRY) if r < len(retry) * G else derive_seed(gen.seed, i, s)
+        for r, (i, s) in enumerate(rows)
+    ]
+    keys = [("train", i) for i, _ in rows]
+    stops = gen.sampling.stop
+    done_at = np.full(n, -1, np.int64)
+    row_text: list[str | None] = [None] * n  # the text each early-scored row was scored on
+    scoring = ThreadPoolExecutor(1, thread_name_prefix="early-scoring")
+    pending: list[tuple[np.ndarray, Future]] = []
+    picked: list[np.ndarray | None] = [None]
+
+    def text(ids: list[int]) -> str:
+        end = stop_string_end(gen.tokenizer, ids, stops) if stops else None
+        return gen.tokenizer.decode(ids[:end] if end is not None else ids)
+
+    def watch(t: int, finished, out_ids, lengths) -> bool:
+        fin = finished.cpu().numpy()
+        new = np.flatnonzero(fin & (done_at < 0))
+        if len(new):
+            done_at[new] = t
+            ids, ends = out_ids[torch.as_tensor(new)].tolist(), lengths[torch.as_tensor(new)].tolist()
+            for j, i in enumerate(new):
+                row_text[i] = text(ids[j][: ends[j]])
+            pending.append((new, scoring.submit(workers.score, [(keys[i], row_text[i]) for i in new])))
+        picked[0] = pick_groups(done_at, G, len(retry), sampler.quotas[rank])
+        return picked[0] is not None
+
+    try:
+        out = gen.generate([tokens[i] for i, _ in rows], seeds, watch=watch)
+        results: list = [None] * n
+        for idx, fut in pending:
+            for i, r in zip(idx, fut.result()):
+                results[i] = r
+    finally:
+        scoring.shutdown(wait=True)
+    aborted = int((done_at < 0).sum())
+    if picked[0] is None:  # every row ran to max_new_tokens: the truncated ones count as finished there
+        done_at[done_at < 0] = gen.sampling.max_new_tokens
+        picked[0] = pick_groups(done_at, G, len(retry), sampler.quotas[rank])
+        aborted = 0
+    groups = picked[0]
+    assert groups is not None  # every row is finished now
+    chosen = (groups[:, None] * G + np.arange(G)[None, :]).reshape(-1)
+    texts: list[str] = [
+        t if (t := row_text[i]) is not None else gen.tokenizer.decode(out.response_ids[i]) for i in chosen
+    ]
+    late = [j for j, i in enumerate(chosen) if results[i] is None]  # finished at the last token, or truncated
+    if late:
+        for j, r in zip(late, workers.score([(keys[chosen[j]], texts[j]) for j in late])):
+            results[chosen[j]] = r
+    batch = trajectory_batch(
+        [tokens[rows[i][0]] for i in chosen],
+        [out.response_ids[i] for i in chosen],
+        [out.logprobs[i] for i in chosen],
+        [0.0] * len(chosen),
+        truncated=[out.truncated[i] for i in chosen],
+        prompt_index=[rows[i][0] for i in chosen],
+        sample_idx=[rows[i][1] for i in chosen],
+        gen_rank=gen_rank,
+        policy_version=version,
+        t_start=t_start,
+        t_end=t_start,
+    )
+    return ScheduledRollout(batch, [keys[i] for i in chosen], texts, [results[i] for i in chosen], aborted)
