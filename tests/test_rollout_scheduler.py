@@ -76,6 +76,12 @@ def test_the_state_survives_a_checkpoint_the_weight_sync_and_a_new_generator_cou
     one.load_state_dict(sampler.state_dict())
     assert sorted(one.retries[0].tolist()) == sorted(np.concatenate(sampler.retries).tolist())
     play(one, 2, np.random.default_rng(2))
+    narrow = PromptSampler(2, 2, 1)  # one rank owing 2 retries, then three ranks sharing P=2 (quotas 1, 1, 0)
+    play(narrow, 1, np.random.default_rng(3))
+    wide = PromptSampler(2, 2, 3)
+    wide.load_state_dict(narrow.state_dict())
+    assert [len(r) for r in wide.retries] == [1, 1, 0]
+    play(wide, 3, np.random.default_rng(4))
 
 
 def test_the_step_takes_the_groups_that_finish_first():

@@ -108,8 +108,10 @@ class PromptSampler:
     def load_state_dict(self, state: dict) -> None:
         self.cursor = int(state["cursor"])
         retries, ranks = np.asarray(state["retries"], np.int64), np.asarray(state["retry_ranks"], np.int64)
-        if len(retries) and int(ranks.max()) >= self.n_ranks or sum(self.extras) < len(retries):
-            # The generator group changed size since the checkpoint: deal the retries out again, in order.
+        counts = np.bincount(ranks, minlength=self.n_ranks) if len(ranks) else np.zeros(self.n_ranks, np.int64)
+        if len(counts) > self.n_ranks or (len(retries) and counts.tolist() != self.extras):
+            # The generator group changed size since the checkpoint: deal the retries out again, in order, as many
+            # to each rank as its share of the extra prompts (never more than it trains in a step).
             bounds = np.cumsum([0, *self.extras])
             merged = np.sort(retries)
             self.retries = [merged[bounds[i] : bounds[i + 1]] for i in range(self.n_ranks)]
@@ -176,8 +178,11 @@ def scheduled_rollout(
     stops = gen.sampling.stop
     done_at = np.full(n, -1, np.int64)
     row_text: list[str | None] = [None] * n  # the text each early-scored row was scored on
+    # One scoring call at a time, of every row that finished since the last one went out: a call per token would
+    # spend more on the reward workers' round trips (and the GIL) than a cheap reward costs.
     scoring = ThreadPoolExecutor(1, thread_name_prefix="early-scoring")
     pending: list[tuple[np.ndarray, Future]] = []
+    waiting: list[int] = []  # finished rows not sent yet
     picked: list[np.ndarray | None] = [None]
 
     def text(ids: list[int]) -> str:
@@ -192,7 +197,11 @@ def scheduled_rollout(
             ids, ends = out_ids[torch.as_tensor(new)].tolist(), lengths[torch.as_tensor(new)].tolist()
             for j, i in enumerate(new):
                 row_text[i] = text(ids[j][: ends[j]])
-            pending.append((new, scoring.submit(workers.score, [(keys[i], row_text[i]) for i in new])))
+            waiting.extend(new.tolist())
+        if waiting and (not pending or pending[-1][1].done()):
+            rows_out = np.array(waiting)
+            waiting.clear()
+            pending.append((rows_out, scoring.submit(workers.score, [(keys[i], row_text[i]) for i in rows_out])))
         picked[0] = pick_groups(done_at, G, len(retry), sampler.quotas[rank])
         return picked[0] is not None
 
