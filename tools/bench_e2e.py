@@ -67,6 +67,7 @@ def bench_cfg(steps: int, new_tokens: int, start: Path | None, overrides: list[s
         [
             f"algorithm.steps={steps}",
             f"algorithm.max_new_tokens={new_tokens}",
+            "placement=disaggregated",  # the quickstart ships colocated; ours_colocated sets it again
             "checkpoint.every_steps=0",
             "warmup.sft_steps=0",
             "eval=null",
@@ -82,11 +83,12 @@ def launch(cfg, run_dir: Path) -> float:
     """`rollout-hpc submit --local`'s mpirun of `cfg` in run_dir; returns the wall time."""
     import yaml
 
-    from rollout_hpc.launch.local import launch_env, mpirun_command
+    from rollout_hpc.launch.local import launch_env, mpirun_command, placement_env
 
     (run_dir / "config.resolved.yaml").write_text(yaml.safe_dump(cfg.resolved()))
+    env = {**launch_env(), **placement_env(cfg)}  # as submit --local: colocated ranks wait passively (OpenMP)
     t0 = time.time()
-    done = subprocess.run(mpirun_command(cfg, run_dir), env=launch_env(), cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run(mpirun_command(cfg, run_dir), env=env, cwd=REPO, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"our run failed:\n{done.stderr[-3000:]}")
     return time.time() - t0
