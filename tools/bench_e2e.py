@@ -354,7 +354,8 @@ def run_trl(cfg, threshold: float) -> dict:
         with contextlib.redirect_stdout(io.StringIO()):  # its per-step log dicts
             trainer.train()
     wall = time.time() - t0
-    tokens = G * sum(len(p) for p in flat[:P]) + P * G * float(np.mean(lengths[1:]))  # per step, as logged
+    # per step after the first (as the others count): its prompts' tokens and the completion tokens TRL logged
+    tokens = G * float(np.mean([sum(map(len, step)) for step in prompts[1:]])) + P * G * float(np.mean(lengths[1:]))
     return summarize(
         "trl",
         np.array(times),

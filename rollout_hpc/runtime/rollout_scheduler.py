@@ -119,15 +119,15 @@ class PromptSampler:
         self.retries = [retries[ranks == i] for i in range(self.n_ranks)]
 
     def meta(self) -> dict:
-        return {"cursor": self.cursor, "retries": [r.tolist() for r in self.retries]}
+        """state_dict() as JSON data (what the weight sync carries)."""
+        return {key: value.tolist() for key, value in self.state_dict().items()}
 
     @classmethod
     def from_meta(cls, cfg, meta: dict | None) -> PromptSampler:
-        sampler = cls.for_config(cfg)
         if meta is None:
             raise RuntimeError("generator.extra_prompts: the weights came without the prompt sampler's state")
-        sampler.cursor = int(meta["cursor"])
-        sampler.retries = [np.asarray(r, np.int64) for r in meta["retries"]]
+        sampler = cls.for_config(cfg)
+        sampler.load_state_dict(meta)
         return sampler
 
 
