@@ -225,10 +225,13 @@ rm -f "${{TMPDIR:-/tmp}}/srun-$SLURM_JOB_ID-$$.hung"
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `slurm` get the `slurm_cluster` fixture without naming it."""
+    """Tests marked `slurm` get the `slurm_cluster` fixture without naming it; tests marked `chaos` run last (a
+    random round of faults on a machine that has run everything else: it twice failed as the first test of a full
+    run while passing every standalone run, cause unknown)."""
     for item in items:
         if item.get_closest_marker("slurm") and "slurm_cluster" not in getattr(item, "fixturenames", ["slurm_cluster"]):
             item.fixturenames.append("slurm_cluster")
+    items.sort(key=lambda item: item.get_closest_marker("chaos") is not None)  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="session")

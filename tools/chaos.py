@@ -4,12 +4,13 @@
 final weights digest equal to an uninterrupted run's (on-policy, same seed), no leftover temp files, ring segments,
 Open MPI shared-memory segments or processes, every message naming its cause, and no phase past its time bound.
 
-    tools/chaos.py --rounds N [--seed S] [--launcher local|slurm] [--quick]
+    tools/chaos.py --rounds N [--seed S] [--launcher local|slurm] [--quick] [--faults KIND,...]
 
 A round is one run and the faults injected into it one after another (one fault each, or with --quick every
-local fault kind: two runs in all). The last line printed is one JSON line; exit 0 only if nothing was lost, nothing
+local fault kind: two runs in all; on Slurm one round of each Slurm fault kind). The last line printed is one JSON line; exit 0 only if nothing was lost, nothing
 hung and every fault was survived. The run helpers are the resume tests' own (tests/test_resume_local.py).
-With --launcher slurm (a running cluster, SLURM_CONF set) the fault is scancel during a checkpoint write.
+With --launcher slurm (a running cluster, SLURM_CONF set; as root: a failed node is rebooted) the fault is scancel
+during a checkpoint write, or one node of the job failing mid-step (Slurm requeues the job onto the other nodes).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import h5py
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-from conftest import SlurmCluster  # noqa: E402
+from conftest import TERMINAL_STATES, SlurmCluster  # noqa: E402
 from test_damaged_log import _chunk  # noqa: E402
 from test_disk_full import fill  # noqa: E402
 from test_loop import _rank_pid  # noqa: E402
@@ -91,9 +92,12 @@ CAUSES = {
     "log-flip": "was damaged",
     "disk-full": "space",
 }
-SLURM_CAUSES = {"scancel-in-checkpoint": "stopped by SIGTERM (scancel)"}  # the batch script's line
+SLURM_CAUSES = {
+    "scancel-in-checkpoint": "stopped by SIGTERM (scancel",
+    "node-fail": "restarted by Slurm",
+}  # the batch script's line
 COST_A_SAMPLE = {"reward-raise", "reward-hang"}  # by design: the run goes on, that sample scores 0
-NEEDS_ROOT = {"disk-full"}  # mounts a tmpfs
+NEEDS_ROOT = {"disk-full", "node-fail"}  # mounts a tmpfs; restarts a slurmd
 PHASE_BOUND_S = 300  # one start of the run, until it exits: anything longer is a hang
 CHECKPOINT_EVERY = 2
 
@@ -316,28 +320,15 @@ def play(rnd: Round, reference: str) -> None:
 
 
 def play_slurm(rnd: Round, reference: str, cluster: SlurmCluster) -> None:
-    """`rollout-hpc cancel` (scancel) while a checkpoint is being written (its temp file exists), then
+    """One fault on the local Slurm cluster (scancel during a checkpoint write, or a node of the job failing), then
     `rollout-hpc resume` (sbatch) until the run is done."""
     config = config_for(rnd.root, "chaos" + rnd.root.name, rnd.steps, rnd.flag)
     run_dir, fault = rnd.run_dir, rnd.faults[0]
     job = submitted_job(cli("submit", config, "--run-dir", run_dir, *SETS, "--set", "launcher=slurm", cwd=rnd.root))
-    checkpoints, deadline, caught = run_dir / "checkpoints", time.monotonic() + PHASE_BOUND_S, False
-    first = rnd.rng.randint(1, 3)  # the checkpoint write to cut into (not the last: steps run on after it)
-    next_look = 0.0
-    while not caught and time.monotonic() < deadline:
-        names = os.listdir(checkpoints) if checkpoints.is_dir() else []
-        writing = [n for n in names if ".tmp-" in n]
-        caught = bool(writing) and len(names) - len(writing) >= first
-        if caught:
-            cluster.run("scancel", job, check=False)  # at once: a CLI start would miss the write
-            if not (checkpoints / writing[0]).exists():
-                rnd.notes.append(f"{fault}: the checkpoint write was done before scancel returned")
-        elif time.monotonic() > next_look:  # scontrol is slow: the write must not be missed while it runs
-            if cluster.job_state(int(job))[1]:
-                break
-            next_look = time.monotonic() + 1
-    if not caught:
-        rnd.fail(fault, "never saw a checkpoint being written")
+    if fault == "node-fail":
+        fail_a_node(rnd, cluster, job)
+    else:
+        scancel_in_checkpoint(rnd, cluster, job)
     outputs, finished = {fault: ""}, False
     for _ in range(4):
         try:
@@ -355,6 +346,105 @@ def play_slurm(rnd: Round, reference: str, cluster: SlurmCluster) -> None:
             break
         job = submitted_job(resumed)
     check(rnd, reference, outputs, {}, {}, finished)
+
+
+def scancel_in_checkpoint(rnd: Round, cluster: SlurmCluster, job: str) -> None:
+    """`rollout-hpc cancel` (scancel) while a checkpoint is being written (its temp file exists)."""
+    checkpoints, fault = rnd.run_dir / "checkpoints", rnd.faults[0]
+    deadline, caught = time.monotonic() + PHASE_BOUND_S, False
+    first = rnd.rng.randint(1, 3)  # the checkpoint write to cut into (not the last: steps run on after it)
+    next_look = 0.0
+    while not caught and time.monotonic() < deadline:
+        names = os.listdir(checkpoints) if checkpoints.is_dir() else []
+        writing = [n for n in names if ".tmp-" in n]
+        caught = bool(writing) and len(names) - len(writing) >= first
+        if caught:
+            cluster.run("scancel", job, check=False)  # at once: a CLI start would miss the write
+            if not (checkpoints / writing[0]).exists():
+                rnd.notes.append(f"{fault}: the checkpoint write was done before scancel returned")
+        elif time.monotonic() > next_look:  # scontrol is slow: the write must not be missed while it runs
+            if cluster.job_state(int(job))[1]:
+                break
+            next_look = time.monotonic() + 1
+    if not caught:
+        rnd.fail(fault, "never saw a checkpoint being written")
+
+
+def fail_a_node(rnd: Round, cluster: SlurmCluster, job: str) -> None:
+    """A node of the job crashes in the middle of a step after its first 1-3 checkpoints: its slurmd, job steps and
+    their processes are killed with -9 at once, and the node is set DOWN, as slurmctld does once the node has missed
+    SlurmdTimeout (not waited for: 60 s a round). Slurm requeues the job (--requeue) onto the nodes left; once it runs
+    again (or has ended) the node reboots: its spool's leftovers of the killed steps removed (a reboot's clean spool),
+    slurmd started, back in service (ReturnToService=2)."""
+    checkpoints, fault = rnd.run_dir / "checkpoints", rnd.faults[0]
+    first, deadline = rnd.rng.randint(1, 3), time.monotonic() + PHASE_BOUND_S
+    while sum(".tmp-" not in n for n in (os.listdir(checkpoints) if checkpoints.is_dir() else [])) < first:
+        if time.monotonic() > deadline or cluster.job_state(int(job))[1]:
+            rnd.fail(fault, f"the job ended or took {PHASE_BOUND_S}s before its checkpoint {first}")
+            return
+        time.sleep(0.2)
+    time.sleep(rnd.rng.uniform(0.0, 1.0))  # somewhere in a step
+    records = cluster.job_records(int(job))
+    owner = {r["JobId"]: hostnames(cluster, r["NodeList"]) for r in records}
+    node = rnd.rng.choice(sorted({n for nodes in owner.values() for n in nodes}))
+    crash(cluster, node, owner)
+    cluster.run("scontrol", "update", f"nodename={node}", "state=down", "reason=chaos: node failure")
+    rnd.notes.append(f"{fault}: {node} of {sorted(owner.values())} crashed")
+    while time.monotonic() < deadline:  # until Slurm has requeued the job and started it again, or it has ended
+        records = cluster.job_records(int(job))
+        states = {r.get("JobState") for r in records}
+        if (
+            not records
+            or states <= TERMINAL_STATES
+            or (states == {"RUNNING"} and all(int(r.get("Restarts", 0)) > 0 for r in records))
+        ):
+            break
+        time.sleep(0.5)
+    reboot(cluster, node)
+
+
+def hostnames(cluster: SlurmCluster, nodelist: str) -> list[str]:
+    return cluster.run("scontrol", "show", "hostnames", nodelist).stdout.split()
+
+
+def crash(cluster: SlurmCluster, node: str, owner: dict[str, list[str]]) -> None:
+    """kill -9 of everything of `node`: its slurmd, and each slurmstepd of a job component on that node alone or
+    with a process of that node below it, with all its descendants."""
+    victims = [int((cluster.dir / "run" / f"slurmd.{node}.pid").read_text())]
+    stepds = subprocess.run(["pgrep", "-f", "^slurmstepd: "], capture_output=True, text=True).stdout.split()
+    for pid in map(int, stepds):
+        tree = descendants(pid)
+        job = re.search(r"\[(\d+)\.", _cmdline(pid))
+        if (job and owner.get(job[1]) == [node]) or any(_slurm_node(p) == node for p in tree):
+            victims += [pid, *tree]
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _slurm_node(pid: int) -> str | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next((e[16:].decode() for e in env if e.startswith(b"SLURMD_NODENAME=")), None)
+
+
+def reboot(cluster: SlurmCluster, node: str) -> None:
+    spool = cluster.dir / "spool" / node
+    for leftover in spool.iterdir():  # the killed steps' PMIx sockets and job directories
+        if leftover.name.startswith(("pmix.", "stepd.", "job")):
+            subprocess.run(["rm", "-rf", str(leftover)], check=False)
+    subprocess.run(["slurmd", "-N", node, "-f", str(cluster.conf)], env=cluster.env, check=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        state = cluster.run("sinfo", "-h", "-n", node, "-o", "%T", check=False).stdout.strip()
+        if state and not state.startswith(("down", "drain", "fail")):
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"chaos: node {node} did not come back after its reboot (sinfo: {state})")
 
 
 def note_repair(rnd: Round, text: str) -> None:
@@ -422,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--launcher", choices=["local", "slurm"], default="local")
     parser.add_argument("--quick", action="store_true", help="one round of each local fault kind (CI)")
+    parser.add_argument("--faults", help="only these fault kinds (comma-separated; default: all of the launcher's)")
     parser.add_argument("--keep", action="store_true", help="keep the runs' directories")
     args = parser.parse_args(argv)
     cluster = None
@@ -430,16 +521,22 @@ def main(argv: list[str] | None = None) -> int:
         if not conf or subprocess.run(["squeue", "-h"], capture_output=True).returncode != 0:
             print(
                 "chaos: --launcher slurm needs a running Slurm cluster and SLURM_CONF naming its slurm.conf "
-                "(the local one: tools/slurm_cluster.sh start, SLURM_CONF=/tmp/rollout-slurm/slurm.conf). "
-                "Not done yet: a slurmd killed mid-job.",
+                "(the local one: tools/slurm_cluster.sh start, SLURM_CONF=/tmp/rollout-slurm/slurm.conf)",
                 file=sys.stderr,
             )
             return 2
         cluster = SlurmCluster(dir=Path(conf).parent, conf=Path(conf), nodes=[], env=dict(os.environ))
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     rng = random.Random(seed)
-    kinds = [k for k in CAUSES if os.geteuid() == 0 or k not in NEEDS_ROOT] if cluster is None else list(SLURM_CAUSES)
-    if args.quick:  # everything that keeps the digest in one run, the sample-costing rewards in another
+    kinds = [k for k in (SLURM_CAUSES if cluster else CAUSES) if os.geteuid() == 0 or k not in NEEDS_ROOT]
+    if args.faults:
+        unknown = set(args.faults.split(",")) - set(kinds)
+        if unknown:
+            parser.error(f"--faults: {sorted(unknown)} not among this launcher's kinds {kinds}")
+        kinds = [k for k in kinds if k in args.faults.split(",")]
+    if args.quick and cluster is not None:
+        plans = [[k] for k in kinds]
+    elif args.quick:  # everything that keeps the digest in one run, the sample-costing rewards in another
         rng.shuffle(kinds)
         plans = [[k for k in kinds if k not in COST_A_SAMPLE], [k for k in kinds if k in COST_A_SAMPLE]]
     else:
