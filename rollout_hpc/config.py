@@ -90,7 +90,8 @@ class RunSection(_Section):
         ge=0,
         description="Seconds a rank may make no progress (no step done, no wait on another rank) before the job dumps "
         "every rank's Python stacks into logs/stacks-rank*.txt and ends (after a checkpoint where one can be written); "
-        "0 = never. Counted from the end of start-up; raise it when one step can take longer.",
+        "0 = never. Counted from the end of start-up; raise it when one step can take longer. It also bounds MPI "
+        "start-up (a rank whose peers never join prints where it waits and exits 1).",
     )
 
     @field_validator("dir_mode", mode="before")

@@ -235,6 +235,28 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def finished_run(tmp_path_factory) -> Path:
+    """A finished 4-step run of test_resume_local's tiny config (no pause in its reward), made once per session.
+    Tests that damage or resume a finished run work on a copy: shutil.copytree(finished_run, tmp_path / "run")."""
+    from test_resume_local import cli, write_run_config
+
+    tmp = tmp_path_factory.mktemp("finished")
+    done = cli("submit", write_run_config(tmp, "run", steps=4, sleep=0.0), "--local", "--run-dir", tmp / "run", cwd=tmp)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return tmp / "run"
+
+
+@pytest.fixture(scope="session")
+def zero2_run(tmp_path_factory) -> Path:
+    """A finished 3-step run on DeepSpeed ZeRO-2 with two trainer ranks (a sharded checkpoint after every step), made
+    once: test_loop checks the loop through it, test_export_model merges its shards."""
+    from test_export_model import submit
+
+    extra = "trainer: {backend: deepspeed, zero_stage: 2, tasks_per_node: 2}"
+    return submit(tmp_path_factory.mktemp("zero2"), "zero2", steps=3, timeout=400, extra=extra)
+
+
+@pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT
 

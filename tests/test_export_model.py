@@ -242,14 +242,8 @@ def test_no_checkpoints_is_a_clear_error(tmp_path):
     assert done.returncode == 2 and "no checkpoints in" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_deepspeed_zero2_shards_merge_into_one_model(tmp_path):
-    run_dir = submit(
-        tmp_path / "ds",
-        "export-ds",
-        steps=2,
-        timeout=400,
-        extra="trainer: {backend: deepspeed, zero_stage: 2, tasks_per_node: 2}",
-    )
+def test_deepspeed_zero2_shards_merge_into_one_model(tmp_path, zero2_run):
+    run_dir = zero2_run  # 3 steps, two trainer ranks (tests/conftest.py)
     info = list_checkpoints(run_dir)[-1]
     assert info.sharded and len(list(info.path.glob("shard-*.h5"))) == 2
     out = tmp_path / "model"
@@ -257,7 +251,7 @@ def test_deepspeed_zero2_shards_merge_into_one_model(tmp_path):
     record = read_export_info(out, verify=True)
     assert record["backend"] == "deepspeed" and "fp32 masters of 2 shard(s)" in record["weights_from"]
     report, logits = fresh_load(out, tmp_path)
-    policy, ckpt = checkpoint_policy(run_dir, 2)
+    policy, ckpt = checkpoint_policy(run_dir, info.step)
     assert record["weights_sha256"] == ckpt["digest"]
     np.testing.assert_allclose(logits, policy_logits(policy), rtol=0, atol=1e-5)
     # every parameter's fp32 master (spread over both shards) is what was written

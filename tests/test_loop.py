@@ -116,8 +116,10 @@ def _wait_for_steps(proc, run_dir, n, timeout=120):
     raise AssertionError(f"fewer than {n} steps within {timeout}s")
 
 
-# One uninterrupted run that the interrupted-and-resumed runs must match bit for bit.
-RESUMABLE = ["algorithm.steps=60", "checkpoint.every_steps=5"]
+# One uninterrupted run that the interrupted-and-resumed runs must match bit for bit (long enough that a stop after
+# step 10, when the log has committed, or a kill after step 12 leaves steps to resume into).
+RESUMABLE_STEPS = 30
+RESUMABLE = [f"algorithm.steps={RESUMABLE_STEPS}", "checkpoint.every_steps=5"]
 
 
 def start_loop(cfg, run_dir: Path) -> subprocess.Popen:
@@ -149,7 +151,7 @@ def test_sigusr1_checkpoints_stops_and_resume_matches_an_uninterrupted_run(tmp_p
         proc.kill()
     assert proc.returncode == 75, err[-4000:]  # EXIT_CONTINUE: checkpointed, continue in a new allocation
     stopped_at = list_checkpoints(run_dir)[-1].step
-    assert 10 <= stopped_at < 60
+    assert 10 <= stopped_at < RESUMABLE_STEPS
     assert "stop requested" in err
 
     res = mpirun(node_blocks(cfg, [*ENTRY, str(run_dir)]), timeout=240)
@@ -157,7 +159,7 @@ def test_sigusr1_checkpoints_stops_and_resume_matches_an_uninterrupted_run(tmp_p
     assert f"after step {stopped_at}" in res.stderr  # it did resume, not start over
     assert final_digest(run_dir) == final_digest(uninterrupted)
     metrics = read_metrics(run_dir / "trajectories.h5")
-    assert [int(m["step"]) for m in metrics] == list(range(60))
+    assert [int(m["step"]) for m in metrics] == list(range(RESUMABLE_STEPS))
     ref = read_metrics(uninterrupted / "trajectories.h5")
     assert [m["reward_mean"] for m in metrics] == [m["reward_mean"] for m in ref]
 
@@ -175,13 +177,13 @@ def test_kill_9_of_a_rank_then_resume_from_the_periodic_checkpoint(tmp_path, uni
         proc.kill()
     assert proc.returncode != 0
     last = list_checkpoints(run_dir)[-1].step
-    assert last % 5 == 0 and 10 <= last < 60
+    assert last % 5 == 0 and 10 <= last < RESUMABLE_STEPS
 
     res = mpirun(node_blocks(cfg, [*ENTRY, str(run_dir)]), timeout=240)
     assert res.returncode == 0, res.stderr[-4000:]
     assert f"after step {last}" in res.stderr
     assert final_digest(run_dir) == final_digest(uninterrupted)
-    assert [int(m["step"]) for m in read_metrics(run_dir / "trajectories.h5")] == list(range(60))
+    assert [int(m["step"]) for m in read_metrics(run_dir / "trajectories.h5")] == list(range(RESUMABLE_STEPS))
 
 
 def _rank_pid(mpirun_pid: int, node: str) -> int:
@@ -194,27 +196,21 @@ def _rank_pid(mpirun_pid: int, node: str) -> int:
     raise AssertionError(f"no rank of node {node} among mpirun's children {children}")
 
 
-def test_deepspeed_zero2_two_trainer_ranks_through_the_loop(tmp_path):
-    _, res = run_loop(
-        tmp_path,
-        ["algorithm.steps=3", "trainer.backend=deepspeed", "trainer.zero_stage=2", "trainer.tasks_per_node=2"],
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
-    metrics = read_metrics(tmp_path / "trajectories.h5")
+def test_deepspeed_zero2_two_trainer_ranks_through_the_loop(zero2_run):
+    metrics = read_metrics(zero2_run / "trajectories.h5")
     assert [m["step"] for m in metrics] == [0, 1, 2]
     assert all(np.isfinite(m["grad_norm"]) for m in metrics)
-    assert (
-        metrics[0]["reward_std"] > 0 and metrics[0]["grad_norm"] > 0
-    )  # (a step whose rewards all tie has no gradient)
+    # Every step whose rewards do not all tie has a gradient (one that ties has none), and there is such a step.
+    assert any(m["reward_std"] > 0 for m in metrics)
+    assert all(m["grad_norm"] > 0 for m in metrics if m["reward_std"] > 0)
     # ZeRO partitions the optimizer: one checkpoint shard per trainer rank, committed by a manifest.
-    info = list_checkpoints(tmp_path)[-1]
+    info = list_checkpoints(zero2_run)[-1]
     assert info.step == 3 and info.sharded
     assert sorted(p.name for p in info.path.glob("shard-*.h5")) == [
         "shard-00000-of-00002.h5",
         "shard-00001-of-00002.h5",
     ]
-    _, state0, _ = load_latest_valid(tmp_path, shard=0)
+    _, state0, _ = load_latest_valid(zero2_run, shard=0)
     assert state0["loop"]["step"] == 3 and "weights" in state0
 
 

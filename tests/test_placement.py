@@ -9,7 +9,7 @@ import os
 from types import SimpleNamespace
 
 import pytest
-from test_resume_local import STEPS, assert_exactly_once, cli, stop_and_resume, weights_digest, write_run_config
+from test_resume_local import assert_exactly_once, cli, stop_and_resume, weights_digest, write_run_config
 
 from rollout_hpc.config import ConfigError, load_config
 from rollout_hpc.launch.local import mpirun_command
@@ -19,18 +19,18 @@ COLOCATED = "placement: colocated"
 
 
 def test_a_colocated_run_resumed_after_a_stop_matches_one_never_stopped(tmp_path):
+    steps = 8  # a stop at step 2 (checkpoints every 3) leaves steps to resume into
     whole = tmp_path / "whole"
-    done = cli(
-        "submit", write_run_config(tmp_path, "whole", extra=COLOCATED), "--local", "--run-dir", whole, cwd=tmp_path
-    )
+    config = write_run_config(tmp_path / "w", "whole", steps=steps, sleep=0.0, extra=COLOCATED)
+    done = cli("submit", config, "--local", "--run-dir", whole, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     manifest = json.loads((whole / "manifest.json").read_text())
     assert manifest["local_command"].count("ROLLOUT_NODE=node0") == 2  # both groups on the one node
 
     cut = tmp_path / "cut"
-    stop_and_resume(write_run_config(tmp_path, "cut", extra=COLOCATED), cut, 2, tmp_path)
+    stop_and_resume(write_run_config(tmp_path, "cut", steps=steps, extra=COLOCATED), cut, 2, tmp_path, steps=steps)
     assert weights_digest(cut) == weights_digest(whole)
-    assert_exactly_once(cut, STEPS)
+    assert_exactly_once(cut, steps)
 
 
 def test_each_colocated_rank_has_the_nodes_cores_in_its_phase(monkeypatch):

@@ -151,3 +151,30 @@ def test_rendered_script_keeps_base_body(tmp_path):
     for marker in ("wait_step()", "requeue_if_asked()", "rollout_hpc prepare", 'exit "$rc"'):
         assert marker in script
     assert re.search(r"^#!/bin/bash\n", script)
+
+
+@pytest.mark.slurm  # scontrol expands the node lists with the cluster's slurm.conf
+@pytest.mark.parametrize(("gen_nodes", "train_nodes", "shared"), [("n2", "n2", "n2"), ("n[1-2]", "n[2-3]", "n2")])
+def test_the_job_script_refuses_het_groups_placed_on_one_node(slurm_cluster, tmp_path, gen_nodes, train_nodes, shared):
+    """After requeueing a job around a failed batch host, Slurm placed both het groups on the node left (tools/chaos.py
+    node-fail); srun cannot start one step across them and MPI start-up hung. The script (run as Slurm would, with the
+    allocation's variables) ends at once, naming the node and the fix, before any srun."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.resolved.yaml").write_text("{}\n")  # a run directory submit made: no prepare step
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_script(load_config(None), run_dir))
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "SLURM_CONF": str(slurm_cluster.conf),
+        "ROLLOUT_RUN_DIR": str(run_dir),
+        "SLURM_JOB_ID": "41",
+        "SLURM_HET_SIZE": "2",
+        "SLURM_JOB_NODELIST_HET_GROUP_0": gen_nodes,
+        "SLURM_JOB_NODELIST_HET_GROUP_1": train_nodes,
+    }
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"placed two het groups of job 41 on the same node(s): {shared} " in done.stderr, done.stderr
+    assert f"rollout-hpc resume {run_dir}" in done.stderr and "--exclusive" in done.stderr
+    assert "srun" not in done.stderr and "job step exited" not in done.stderr

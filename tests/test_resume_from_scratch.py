@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import shutil
 
-from test_resume_local import assert_exactly_once, cli, write_run_config
+from test_resume_local import assert_exactly_once, cli
 
 from rollout_hpc.store.trajlog import TrajectoryReader
 
 
-def test_no_checkpoint_left_refuses_then_from_scratch_keeps_the_old_log(tmp_path):
+def test_no_checkpoint_left_refuses_then_from_scratch_keeps_the_old_log(tmp_path, finished_run):
     run_dir = tmp_path / "run"
-    config = write_run_config(tmp_path, "run", steps=4, sleep=0.0)
-    done = cli("submit", config, "--local", "--run-dir", run_dir, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    shutil.copytree(finished_run, run_dir)
     shutil.rmtree(run_dir / "checkpoints")  # deleted by hand (or every one damaged and set aside by a first resume)
     (run_dir / "checkpoints").mkdir()
 

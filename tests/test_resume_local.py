@@ -56,9 +56,14 @@ def cli(*args, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
 
 
 def weights_digest(run_dir: Path) -> str:
-    done = cli("ckpt", run_dir, "--json", cwd=run_dir.parent)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)["weights_sha256"]
+    """The newest valid checkpoint's weights SHA-256, as `rollout-hpc ckpt --json` computes it (in this process: a
+    CLI start costs seconds of imports, and the suite compares digests some twenty times)."""
+    from rollout_hpc.store import checkpoint
+
+    saved = checkpoint.list_checkpoints(run_dir)
+    found = checkpoint.load_latest_valid(run_dir, shard=0 if saved and saved[-1].sharded else None)
+    assert found is not None, f"no valid checkpoint in {run_dir}"
+    return checkpoint.weights_digest(found[1])
 
 
 def logged_uids(run_dir: Path) -> list[tuple[int, int, int]]:
@@ -122,7 +127,7 @@ def stop_and_resume(config: Path, run_dir: Path, at_step: int, cwd: Path, steps:
 def reference(tmp_path_factory) -> Path:
     """The same run, never interrupted."""
     tmp = tmp_path_factory.mktemp("reference")
-    config = write_run_config(tmp, "ref")
+    config = write_run_config(tmp, "ref", sleep=0.0)  # the reward's pause only paces interruptions
     done = cli("submit", config, "--local", "--run-dir", tmp / "ref", cwd=tmp)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert_exactly_once(tmp / "ref")
@@ -163,6 +168,8 @@ def test_interrupted_three_ways_then_resumed_matches_an_uninterrupted_run(tmp_pa
     mpirun_pid = json.loads((run_dir / "manifest.json").read_text())["local_runs"][-1]["pid"]
     os.kill(_rank_pid(mpirun_pid, "train0"), signal.SIGKILL)
     assert run.finish() not in (0, 75), run.output[-3000:]
+    # The launcher says how to continue (a killed rank gives mpirun's bare exit code otherwise).
+    assert f"`rollout-hpc resume {run_dir}` continues it from its newest checkpoint (step-" in run.output
     checkpoints = sorted((run_dir / "checkpoints").glob("step-*.h5"))
     newest, previous = checkpoints[-1], checkpoints[-2]
     with open(newest, "r+b") as f:  # torn by a failing disk after it was written

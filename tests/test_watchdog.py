@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
+from mpi_progs.launch import mpirun, node_blocks
+from mpi_progs.launch import write_config as write_run_dir
 from test_no_hangs import submit, write_config
 from test_resume_local import cli
 
@@ -57,3 +60,17 @@ def test_hang_timeout_is_checked_and_zero_disables_it(tmp_path):
         [sys.executable, "-m", "rollout_hpc", "validate", str(config)], capture_output=True, text=True, cwd=tmp_path
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_rank_whose_peer_never_joins_mpi_ends_after_hang_timeout(tmp_path):
+    """MPI start-up waits for every rank in C, holding the GIL: a peer that never starts (a het step srun could not
+    launch on one node) must not hold the others until the time limit. Here the trainer's process never calls
+    MPI_Init; with run.hang_timeout 4 the generator prints where it waits and exits 1, and mpirun ends the job."""
+    cfg = write_run_dir(tmp_path / "run", ["run.program=hello", "run.hang_timeout=4"])
+    blocks = node_blocks(cfg, ["-m", "rollout_hpc.runtime.entry", "--run-dir", str(tmp_path / "run")])
+    blocks[1] = (1, "train0", ["-c", "import time; time.sleep(120)"])  # started, but never joins the world
+    started = time.monotonic()
+    done = mpirun(blocks, timeout=100)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0 and time.monotonic() - started < 60, out[-3000:]
+    assert "Timeout (0:00:04)!" in out and "in init_world" in out, out[-3000:]

@@ -7,10 +7,11 @@ Open MPI shared-memory segments or processes, every message naming its cause, an
     tools/chaos.py --rounds N [--seed S] [--launcher local|slurm] [--quick] [--faults KIND,...]
 
 A round is one run and the faults injected into it one after another (one fault each, or with --quick every
-local fault kind: two runs in all; on Slurm one round of each Slurm fault kind). The last line printed is one JSON line; exit 0 only if nothing was lost, nothing
+local fault kind: two runs in all; on Slurm one run with every Slurm fault kind). The last line printed is one JSON line; exit 0 only if nothing was lost, nothing
 hung and every fault was survived. The run helpers are the resume tests' own (tests/test_resume_local.py).
-With --launcher slurm (a running cluster, SLURM_CONF set; as root: a failed node is rebooted) the fault is scancel
-during a checkpoint write, or one node of the job failing mid-step (Slurm requeues the job onto the other nodes).
+With --launcher slurm (a running cluster, SLURM_CONF set; as root: a failed node is rebooted) the faults are scancel
+during a checkpoint write, one node of the job failing mid-step (Slurm requeues the job onto the other nodes),
+kill -9 of the generator or the trainer rank, and a storm of time-limit warnings (USR1: checkpoint and requeue).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from test_resume_local import (  # noqa: E402
     weights_digest,
     write_run_config,
 )
-from test_resume_slurm import job_log, submitted_job  # noqa: E402
+from test_resume_slurm import submitted_job  # noqa: E402
 
 from rollout_hpc.exchange.ring import DEFAULT_RING_DIR  # noqa: E402
 from rollout_hpc.rundir_layout import TRAJECTORY_LOG  # noqa: E402
@@ -92,10 +93,13 @@ CAUSES = {
     "log-flip": "was damaged",
     "disk-full": "space",
 }
-SLURM_CAUSES = {
+SLURM_CAUSES = {  # the job script's lines (or the runtime's, in the job's log)
     "scancel-in-checkpoint": "stopped by SIGTERM (scancel",
     "node-fail": "restarted by Slurm",
-}  # the batch script's line
+    "slurm-kill9-generator": "continues the run from its newest checkpoint",
+    "slurm-kill9-trainer": "continues the run from its newest checkpoint",
+    "slurm-usr1-storm": "requeueing job",
+}
 COST_A_SAMPLE = {"reward-raise", "reward-hang"}  # by design: the run goes on, that sample scores 0
 NEEDS_ROOT = {"disk-full", "node-fail"}  # mounts a tmpfs; restarts a slurmd
 PHASE_BOUND_S = 300  # one start of the run, until it exits: anything longer is a hang
@@ -126,18 +130,20 @@ class Round:
         self.failed.setdefault(fault, []).append(why)
 
 
-def config_for(directory: Path, name: str, steps: int, flag: Path) -> Path:
-    config = write_run_config(directory, name, steps=steps, sleep=0.05)
-    (directory / "slow_reward.py").write_text(FAULTY_REWARD.format(flag=str(flag), sleep=0.05))
+def config_for(directory: Path, name: str, steps: int, flag: Path, sleep: float = 0.05) -> Path:
+    config = write_run_config(directory, name, steps=steps, sleep=sleep)
+    (directory / "slow_reward.py").write_text(FAULTY_REWARD.format(flag=str(flag), sleep=sleep))
     return config
 
 
+# run.hang_timeout also bounds MPI start-up: a start Slurm could not launch on a node costs a minute, not five.
 SETS = ("--set", f"checkpoint.every_steps={CHECKPOINT_EVERY}", "--set", "task.reward_timeout=2")
+SETS += ("--set", "run.hang_timeout=60")
 
 
 def reference_digest(work: Path, steps: int) -> str:
     ref = work / "reference"
-    config = config_for(ref, "ref", steps, ref / "never")
+    config = config_for(ref, "ref", steps, ref / "never", sleep=0.0)  # the pause only paces the injections
     done = cli("submit", config, "--local", "--run-dir", ref / "run", *SETS, cwd=ref, timeout=PHASE_BOUND_S)
     if done.returncode != 0:
         sys.exit(f"chaos: the uninterrupted reference run failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
@@ -320,87 +326,207 @@ def play(rnd: Round, reference: str) -> None:
 
 
 def play_slurm(rnd: Round, reference: str, cluster: SlurmCluster) -> None:
-    """One fault on the local Slurm cluster (scancel during a checkpoint write, or a node of the job failing), then
-    `rollout-hpc resume` (sbatch) until the run is done."""
+    """A run on the local Slurm cluster hit by each of the round's faults in turn, each once a checkpoint newer than
+    the previous fault's exists. A fault that ends the job is followed by `rollout-hpc resume` (sbatch); after one
+    that Slurm answers by restarting the job (a failed node; a time-limit warning, which requeues), the next fault
+    comes in the restarted job. Then `rollout-hpc resume` until the run says it is done."""
     config = config_for(rnd.root, "chaos" + rnd.root.name, rnd.steps, rnd.flag)
-    run_dir, fault = rnd.run_dir, rnd.faults[0]
+    run_dir = rnd.run_dir
     job = submitted_job(cli("submit", config, "--run-dir", run_dir, *SETS, "--set", "launcher=slurm", cwd=rnd.root))
-    if fault == "node-fail":
-        fail_a_node(rnd, cluster, job)
-    else:
-        scancel_in_checkpoint(rnd, cluster, job)
-    outputs, finished = {fault: ""}, False
+    outputs = {fault: "" for fault in rnd.faults}
+    logs = LogCursor(run_dir / "logs")
+    after, hung_job = 0, False  # `after`: the newest checkpoint's step when the previous fault came
+    done_early = False
+    for i, fault in enumerate(rnd.faults):
+        placed = None
+        for _ in range(3):
+            if cluster.job_state(int(job))[1]:  # the last fault ended the job (or Slurm's restart of it): resume
+                resumed = cli("resume", run_dir, cwd=rnd.root)
+                outputs[rnd.faults[max(i - 1, 0)]] += logs.new_text() + resumed.stdout + resumed.stderr
+                if done_early := "already did all" in resumed.stdout:
+                    break
+                job = submitted_job(resumed)
+            restarts = max((int(r.get("Restarts", 0)) for r in cluster.job_records(int(job))), default=0)
+            try:
+                placed = SLURM_FAULTS[fault](rnd, cluster, job, fault, after)
+                break
+            except JobEnded:  # before this fault's moment (a restart that failed to launch): resume, then try again
+                continue
+        else:
+            rnd.fail(fault, "the job ended three times before this fault's moment")
+        if done_early:
+            for late in rnd.faults[i:]:
+                rnd.fail(late, "the run was done before this fault's turn")
+            break
+        if placed is None:  # it could not be placed (its failure is recorded)
+            for late in rnd.faults[i + 1 :]:
+                rnd.fail(late, f"not injected: {fault} could not be")
+            break
+        after = placed
+        hung_job = settle(cluster, job, restarts) is None
+        outputs[fault] += logs.new_text()
+        if hung_job:
+            break
+    finished = False
     for _ in range(4):
+        if hung_job:
+            break
         try:
             cluster.wait_job(int(job), timeout=PHASE_BOUND_S)
         except TimeoutError:
-            rnd.hangs += 1
-            rnd.notes.append(f"hang: job {job} still running after {PHASE_BOUND_S}s")
-            cli("cancel", run_dir, cwd=rnd.root)
+            hung_job = True
             break
-        outputs[fault] += job_log(run_dir, job)
         resumed = cli("resume", run_dir, cwd=rnd.root)
-        outputs[fault] += resumed.stdout + resumed.stderr
+        outputs[rnd.faults[-1]] += logs.new_text() + resumed.stdout + resumed.stderr
         if "already did all" in resumed.stdout:
             finished = True
             break
         job = submitted_job(resumed)
+    if hung_job:
+        rnd.hangs += 1
+        rnd.notes.append(f"hang: job {job} still running after {PHASE_BOUND_S}s")
+        cli("cancel", run_dir, cwd=rnd.root)
     check(rnd, reference, outputs, {}, {}, finished)
 
 
-def scancel_in_checkpoint(rnd: Round, cluster: SlurmCluster, job: str) -> None:
-    """`rollout-hpc cancel` (scancel) while a checkpoint is being written (its temp file exists)."""
-    checkpoints, fault = rnd.run_dir / "checkpoints", rnd.faults[0]
-    deadline, caught = time.monotonic() + PHASE_BOUND_S, False
-    first = rnd.rng.randint(1, 3)  # the checkpoint write to cut into (not the last: steps run on after it)
-    next_look = 0.0
-    while not caught and time.monotonic() < deadline:
-        names = os.listdir(checkpoints) if checkpoints.is_dir() else []
-        writing = [n for n in names if ".tmp-" in n]
-        caught = bool(writing) and len(names) - len(writing) >= first
-        if caught:
+class LogCursor:
+    """The text added to a run's Slurm job logs (logs/slurm-*.out|err) since the last call."""
+
+    def __init__(self, logs: Path):
+        self.logs, self.seen = logs, dict[Path, int]()
+
+    def new_text(self) -> str:
+        text = []
+        for path in sorted(self.logs.glob("slurm-*")):
+            data = path.read_bytes()
+            text.append(data[self.seen.get(path, 0) :].decode(errors="replace"))
+            self.seen[path] = len(data)
+        return "".join(text)
+
+
+def settle(cluster: SlurmCluster, job: str, restarts: int) -> str | None:
+    """After a fault: "ended" once the job has ended, "restarted" once Slurm runs it again (requeued; it may still
+    end soon after), None if neither within the time bound."""
+    deadline = time.monotonic() + PHASE_BOUND_S
+    while time.monotonic() < deadline:
+        records = cluster.job_records(int(job))
+        states = {r.get("JobState") for r in records}
+        if not records or states <= TERMINAL_STATES:
+            return "ended"
+        if states == {"RUNNING"} and all(int(r.get("Restarts", 0)) > restarts for r in records):
+            return "restarted"
+        time.sleep(0.5)
+    return None
+
+
+class JobEnded(Exception):
+    """The job ended while a fault waited for its moment."""
+
+
+_CHECKPOINT = re.compile(r"^step-(\d+)(\.h5)?$")  # a committed checkpoint (a temp file or a set-aside one has more)
+
+
+def newest_checkpoint(run_dir: Path) -> int:
+    names = os.listdir(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir() else []
+    return max((int(m[1]) for n in names if (m := _CHECKPOINT.match(n))), default=0)
+
+
+def checkpoint_after(rnd: Round, cluster: SlurmCluster, job: str, fault: str, after: int) -> int | None:
+    """Wait (within the time bound) for a checkpoint 1-2 checkpoints past step `after`; its step, or None (none
+    came: recorded as the fault's failure). JobEnded if the job ends first."""
+    target = after + CHECKPOINT_EVERY * rnd.rng.randint(1, 2)
+    deadline, next_look = time.monotonic() + PHASE_BOUND_S, 0.0
+    while (newest := newest_checkpoint(rnd.run_dir)) < target:
+        if time.monotonic() > deadline:
+            rnd.fail(fault, f"no checkpoint past step {target - 1} within {PHASE_BOUND_S}s")
+            return None
+        if time.monotonic() > next_look:  # scontrol is slow: a checkpoint must not be missed while it runs
+            if cluster.job_state(int(job))[1]:
+                raise JobEnded(job)
+            next_look = time.monotonic() + 1
+        time.sleep(0.05)
+    return newest
+
+
+def scancel_in_checkpoint(rnd: Round, cluster: SlurmCluster, job: str, fault: str, after: int) -> int | None:
+    """scancel while a checkpoint is being written (its temp file exists), one or two checkpoints past `after`."""
+    done = checkpoint_after(rnd, cluster, job, fault, after)
+    if done is None:
+        return None
+    checkpoints, deadline, next_look = rnd.run_dir / "checkpoints", time.monotonic() + PHASE_BOUND_S, 0.0
+    while time.monotonic() < deadline:  # no sleep: a write takes milliseconds
+        writing = [n for n in os.listdir(checkpoints) if ".tmp-" in n]  # step-XXXXXXXX.h5.tmp-PID
+        if writing:
             cluster.run("scancel", job, check=False)  # at once: a CLI start would miss the write
             if not (checkpoints / writing[0]).exists():
                 rnd.notes.append(f"{fault}: the checkpoint write was done before scancel returned")
-        elif time.monotonic() > next_look:  # scontrol is slow: the write must not be missed while it runs
+            return done
+        if time.monotonic() > next_look:
             if cluster.job_state(int(job))[1]:
                 break
             next_look = time.monotonic() + 1
-    if not caught:
-        rnd.fail(fault, "never saw a checkpoint being written")
+    rnd.fail(fault, "never saw a checkpoint being written")
+    return None
 
 
-def fail_a_node(rnd: Round, cluster: SlurmCluster, job: str) -> None:
-    """A node of the job crashes in the middle of a step after its first 1-3 checkpoints: its slurmd, job steps and
-    their processes are killed with -9 at once, and the node is set DOWN, as slurmctld does once the node has missed
-    SlurmdTimeout (not waited for: 60 s a round). Slurm requeues the job (--requeue) onto the nodes left; once it runs
-    again (or has ended) the node reboots: its spool's leftovers of the killed steps removed (a reboot's clean spool),
-    slurmd started, back in service (ReturnToService=2)."""
-    checkpoints, fault = rnd.run_dir / "checkpoints", rnd.faults[0]
-    first, deadline = rnd.rng.randint(1, 3), time.monotonic() + PHASE_BOUND_S
-    while sum(".tmp-" not in n for n in (os.listdir(checkpoints) if checkpoints.is_dir() else [])) < first:
-        if time.monotonic() > deadline or cluster.job_state(int(job))[1]:
-            rnd.fail(fault, f"the job ended or took {PHASE_BOUND_S}s before its checkpoint {first}")
-            return
-        time.sleep(0.2)
-    time.sleep(rnd.rng.uniform(0.0, 1.0))  # somewhere in a step
+def kill9_rank(rnd: Round, cluster: SlurmCluster, job: str, fault: str, after: int) -> int | None:
+    """kill -9 of the generator (world rank 0) or the trainer (rank 1) in the middle of a step."""
+    done = checkpoint_after(rnd, cluster, job, fault, after)
+    if done is None:
+        return None
+    time.sleep(rnd.rng.uniform(0.0, 0.5))
+    rank = "0" if fault.endswith("generator") else "1"
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        if "rollout_hpc.runtime.entry" in _cmdline(pid) and str(rnd.run_dir) in _cmdline(pid):
+            if _environ(pid).get("PMIX_RANK") == rank:
+                os.kill(pid, signal.SIGKILL)
+                return done
+    rnd.fail(fault, f"no rank {rank} of the job to kill")
+    return None
+
+
+def usr1_storm(rnd: Round, cluster: SlurmCluster, job: str, fault: str, after: int) -> int | None:
+    """3-6 time-limit warnings (USR1 to the batch shell, as --signal=B:USR1 sends it) within half a second."""
+    done = checkpoint_after(rnd, cluster, job, fault, after)
+    if done is None:
+        return None
+    for _ in range(rnd.rng.randint(3, 6)):
+        cluster.run("scancel", "--signal=USR1", "--batch", job, check=False)
+        time.sleep(rnd.rng.uniform(0.0, 0.1))
+    return done
+
+
+def fail_a_node(rnd: Round, cluster: SlurmCluster, job: str, fault: str, after: int) -> int | None:
+    """A node of the job crashes in the middle of a step: its slurmd, job steps and their processes are killed with
+    -9 at once, and the node is set DOWN, as slurmctld does once the node has missed SlurmdTimeout (not waited for:
+    60 s a fault). Slurm requeues the job (--requeue) onto the nodes left; once it runs again (or has ended) the node
+    reboots: its spool's leftovers of the killed steps removed (a reboot's clean spool), slurmd started, back in
+    service (ReturnToService=2)."""
+    done = checkpoint_after(rnd, cluster, job, fault, after)
+    if done is None:
+        return None
+    time.sleep(rnd.rng.uniform(0.0, 0.5))  # somewhere in a step
     records = cluster.job_records(int(job))
     owner = {r["JobId"]: hostnames(cluster, r["NodeList"]) for r in records}
     node = rnd.rng.choice(sorted({n for nodes in owner.values() for n in nodes}))
+    restarts = max(int(r.get("Restarts", 0)) for r in records)
     crash(cluster, node, owner)
     cluster.run("scontrol", "update", f"nodename={node}", "state=down", "reason=chaos: node failure")
     rnd.notes.append(f"{fault}: {node} of {sorted(owner.values())} crashed")
-    while time.monotonic() < deadline:  # until Slurm has requeued the job and started it again, or it has ended
-        records = cluster.job_records(int(job))
-        states = {r.get("JobState") for r in records}
-        if (
-            not records
-            or states <= TERMINAL_STATES
-            or (states == {"RUNNING"} and all(int(r.get("Restarts", 0)) > 0 for r in records))
-        ):
-            break
-        time.sleep(0.5)
+    settle(cluster, job, restarts)  # the node stays down until Slurm has placed the job again (or it ended)
     reboot(cluster, node)
+    return done
+
+
+# The Slurm fault kinds: each waits for its moment (a checkpoint past the previous fault's), injects, and returns the
+# newest checkpoint's step then (None: it could not, recorded as its failure).
+SLURM_FAULTS = {
+    "scancel-in-checkpoint": scancel_in_checkpoint,
+    "node-fail": fail_a_node,
+    "slurm-kill9-generator": kill9_rank,
+    "slurm-kill9-trainer": kill9_rank,
+    "slurm-usr1-storm": usr1_storm,
+}
 
 
 def hostnames(cluster: SlurmCluster, nodelist: str) -> list[str]:
@@ -425,18 +551,16 @@ def crash(cluster: SlurmCluster, node: str, owner: dict[str, list[str]]) -> None
 
 
 def _slurm_node(pid: int) -> str | None:
-    try:
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    return next((e[16:].decode() for e in env if e.startswith(b"SLURMD_NODENAME=")), None)
+    return _environ(pid).get("SLURMD_NODENAME")
 
 
 def reboot(cluster: SlurmCluster, node: str) -> None:
-    spool = cluster.dir / "spool" / node
-    for leftover in spool.iterdir():  # the killed steps' PMIx sockets and job directories
-        if leftover.name.startswith(("pmix.", "stepd.", "job")):
-            subprocess.run(["rm", "-rf", str(leftover)], check=False)
+    """What a reboot clears of the killed steps: their PMIx sockets and job directories in the node's spool, and
+    its TmpFS (PMIx app directories: a restart of the same job on this node fails with "File exists" otherwise)."""
+    spool, tmpfs = cluster.dir / "spool" / node, cluster.dir / "tmp" / node
+    leftovers = [p for p in spool.iterdir() if p.name.startswith(("pmix.", "stepd.", "job"))]
+    for leftover in leftovers + (list(tmpfs.iterdir()) if tmpfs.is_dir() else []):
+        subprocess.run(["rm", "-rf", str(leftover)], check=False)
     subprocess.run(["slurmd", "-N", node, "-f", str(cluster.conf)], env=cluster.env, check=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -499,6 +623,14 @@ def _wait_until_gone(run_dir: Path, bound_s: float) -> None:
         time.sleep(0.2)
 
 
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return {}
+    return dict(e.decode(errors="replace").split("=", 1) for e in env if b"=" in e)
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
@@ -534,15 +666,18 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"--faults: {sorted(unknown)} not among this launcher's kinds {kinds}")
         kinds = [k for k in kinds if k in args.faults.split(",")]
-    if args.quick and cluster is not None:
-        plans = [[k] for k in kinds]
+    if args.quick and cluster is not None:  # every Slurm kind, one after another in one run
+        rng.shuffle(kinds)
+        plans = [kinds]
     elif args.quick:  # everything that keeps the digest in one run, the sample-costing rewards in another
         rng.shuffle(kinds)
         plans = [[k for k in kinds if k not in COST_A_SAMPLE], [k for k in kinds if k in COST_A_SAMPLE]]
     else:
         plans = [[rng.choice(kinds)] for _ in range(args.rounds)]
-    # enough steps for each fault's random step (1..2 past the last checkpoint) and the step lost to each stop
-    steps = max(len(p) for p in plans) * 3 + 2 * CHECKPOINT_EVERY if cluster is None else 12
+    # enough steps for each fault's random step (1..2 past the last checkpoint) and the step lost to each stop; on
+    # Slurm each fault waits for 1-2 checkpoints past the last one (scancel: and the write after that)
+    per_fault = 3 if cluster is None else 3 * CHECKPOINT_EVERY
+    steps = max(len(p) for p in plans) * per_fault + 2 * CHECKPOINT_EVERY
     work = Path(tempfile.mkdtemp(prefix="chaos-"))
     started = time.monotonic()
     reference = reference_digest(work, steps)

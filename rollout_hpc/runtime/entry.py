@@ -12,6 +12,7 @@ never leave the others blocked in MPI until the time limit.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import io
 import os
 import signal
@@ -66,7 +67,16 @@ def run(run_dir: Path) -> int:
         )
     cfg = load_config(cfg_path)
     program = _load_program(cfg.run.program)
-    world = init_world(cfg)
+    # MPI start-up waits for every rank in C, holding the GIL: a peer that never starts (a het step Slurm could not
+    # launch on one node) would hold this rank until the time limit, with no Python thread able to say so.
+    # faulthandler's own timer needs no GIL: past run.hang_timeout it prints "Timeout" and where (init_world), and
+    # exits 1, which ends the job step.
+    if cfg.run.hang_timeout > 0:
+        faulthandler.dump_traceback_later(cfg.run.hang_timeout, exit=True, file=sys.stderr)
+    try:
+        world = init_world(cfg)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     return program(world, cfg, run_dir) or 0
 
 

@@ -1,8 +1,9 @@
-"""The fault-injection suite on the local Slurm cluster (`tools/chaos.py --launcher slurm --quick`): one round of each
-Slurm fault kind: scancel while a checkpoint is being written, and a node of the job failing mid-step (its slurmd,
-job steps and ranks killed with -9, the node set DOWN: Slurm requeues the job); then `rollout-hpc resume` (sbatch)
-until the run is done: exactly once, the uninterrupted run's weights, no leftovers, the cause named in the job's
-log."""
+"""The fault-injection suite on the local Slurm cluster (`tools/chaos.py --launcher slurm --quick`): one run hit by
+every Slurm fault kind in turn, in a random order: scancel while a checkpoint is being written, a node of the job
+failing mid-step (its slurmd, job steps and ranks killed with -9, the node set DOWN: Slurm requeues the job), kill -9
+of the generator and of the trainer rank, a storm of time-limit warnings (USR1: checkpoint, the job requeues
+itself); `rollout-hpc resume` (sbatch) after each fault that ends the job, until the run is done: exactly once, the
+uninterrupted run's weights, no leftovers, each cause named in the job's log."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from chaos import SLURM_CAUSES
 pytestmark = pytest.mark.slurm
 
 
-def test_scancel_during_a_checkpoint_and_a_failed_node_are_survived(slurm_cluster, repo_root, tmp_path):
+def test_every_slurm_fault_kind_is_survived_with_nothing_lost(slurm_cluster, repo_root, tmp_path):
     done = subprocess.run(
         [sys.executable, str(repo_root / "tools" / "chaos.py"), "--launcher", "slurm", "--quick"],
         cwd=tmp_path,
