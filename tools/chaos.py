@@ -7,8 +7,9 @@ Open MPI shared-memory segments or processes, every message naming its cause, an
     tools/chaos.py --rounds N [--seed S] [--launcher local|slurm] [--quick] [--faults KIND,...]
 
 A round is one run and the faults injected into it one after another (one fault each, or with --quick every
-local fault kind: two runs in all; on Slurm one run with every Slurm fault kind). The last line printed is one JSON line; exit 0 only if nothing was lost, nothing
-hung and every fault was survived. The run helpers are the resume tests' own (tests/test_resume_local.py).
+local fault kind: two runs in all; on Slurm one run with every Slurm fault kind). The last line printed is one JSON
+line; exit 0 only if nothing was lost, nothing hung and every fault was survived. The run helpers are the resume
+tests' own (tests/test_resume_local.py).
 With --launcher slurm (a running cluster, SLURM_CONF set; as root: a failed node is rebooted) the faults are scancel
 during a checkpoint write, one node of the job failing mid-step (Slurm requeues the job onto the other nodes),
 kill -9 of the generator or the trainer rank, and a storm of time-limit warnings (USR1: checkpoint and requeue).
@@ -137,8 +138,11 @@ def config_for(directory: Path, name: str, steps: int, flag: Path, sleep: float 
 
 
 # run.hang_timeout also bounds MPI start-up: a start Slurm could not launch on a node costs a minute, not five.
-SETS = ("--set", f"checkpoint.every_steps={CHECKPOINT_EVERY}", "--set", "task.reward_timeout=2")
-SETS += ("--set", "run.hang_timeout=60")
+SETS = (
+    *("--set", f"checkpoint.every_steps={CHECKPOINT_EVERY}"),
+    *("--set", "task.reward_timeout=2"),
+    *("--set", "run.hang_timeout=60"),
+)
 
 
 def reference_digest(work: Path, steps: int) -> str:
@@ -500,8 +504,7 @@ def fail_a_node(rnd: Round, cluster: SlurmCluster, job: str, fault: str, after: 
     """A node of the job crashes in the middle of a step: its slurmd, job steps and their processes are killed with
     -9 at once, and the node is set DOWN, as slurmctld does once the node has missed SlurmdTimeout (not waited for:
     60 s a fault). Slurm requeues the job (--requeue) onto the nodes left; once it runs again (or has ended) the node
-    reboots: its spool's leftovers of the killed steps removed (a reboot's clean spool), slurmd started, back in
-    service (ReturnToService=2)."""
+    reboots (reboot()), back in service (ReturnToService=2)."""
     done = checkpoint_after(rnd, cluster, job, fault, after)
     if done is None:
         return None
@@ -541,17 +544,13 @@ def crash(cluster: SlurmCluster, node: str, owner: dict[str, list[str]]) -> None
     for pid in map(int, stepds):
         tree = descendants(pid)
         job = re.search(r"\[(\d+)\.", _cmdline(pid))
-        if (job and owner.get(job[1]) == [node]) or any(_slurm_node(p) == node for p in tree):
+        if (job and owner.get(job[1]) == [node]) or any(_environ(p).get("SLURMD_NODENAME") == node for p in tree):
             victims += [pid, *tree]
     for pid in victims:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def _slurm_node(pid: int) -> str | None:
-    return _environ(pid).get("SLURMD_NODENAME")
 
 
 def reboot(cluster: SlurmCluster, node: str) -> None:
@@ -643,7 +642,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--launcher", choices=["local", "slurm"], default="local")
-    parser.add_argument("--quick", action="store_true", help="one round of each local fault kind (CI)")
+    parser.add_argument(
+        "--quick", action="store_true", help="every fault kind of the launcher in one run (local: two runs; CI)"
+    )
     parser.add_argument("--faults", help="only these fault kinds (comma-separated; default: all of the launcher's)")
     parser.add_argument("--keep", action="store_true", help="keep the runs' directories")
     args = parser.parse_args(argv)
