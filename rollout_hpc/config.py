@@ -629,11 +629,6 @@ class ExchangeSection(_Section):
     max_inflight_bytes: int = Field(256 << 20, gt=0, description="Bound on bytes sent over MPI but not yet received.")
     max_staleness: int = Field(0, ge=0, description="Policy versions a trajectory may lag; 0 = strictly on-policy.")
     weight_chunk_bytes: int = Field(64 << 20, gt=0)
-    weight_sync_shm: bool = Field(
-        True,
-        description="Where every generator shares the sending trainer's node (placement colocated), new weights go "
-        "through a shared-memory segment in ring_dir instead of an MPI broadcast.",
-    )
 
 
 class CheckpointSection(_Section):

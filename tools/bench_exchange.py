@@ -13,8 +13,7 @@ Side by side in one run, between two MPI ranks that emulate two nodes (mpirun, R
   ray            Ray object store put/get between two processes (only if ray is installed)
 
 and weight sync: WeightSync.publish (header + chunked intercomm Bcast) to 2 generator ranks vs one raw
-Bcast of the same bytes; colocated on one node (a generator and a trainer rank), the shared-memory slots vs the
-same WeightSync over MPI vs a raw Bcast vs one memcpy; and what one sync of a real model (built-in Llama, hidden 256, 4 layers) sends and takes
+Bcast of the same bytes; and what one sync of a real model (built-in Llama, hidden 256, 4 layers) sends and takes
 without and with model.lora (rank 8 on q/k/v/o_proj: only the merged adapted layers go out). Each figure is the median of several rounds; ratios are ours / baseline.
 The last line printed is one JSON object with every figure.
 
@@ -187,74 +186,6 @@ def _weights_part(args) -> dict:
     }
 
 
-def _colocated_part(args) -> dict:
-    """One generator and one trainer on one node (placement colocated): weight sync through the shared-memory
-    slots vs the same WeightSync over MPI broadcast vs one raw Bcast, interleaved round by round; the limit is
-    one memcpy of the bytes (the slots copy twice: into the slot, out of it). Then the same for one sync of a
-    real model (small: latency, not bandwidth)."""
-    from mpi4py import MPI
-
-    from rollout_hpc.config import load_config
-    from rollout_hpc.exchange.weights import WeightSync
-    from rollout_hpc.runtime.world import init_world
-
-    cfg = load_config(Path(args.run_dir) / "config.resolved.yaml")
-    world = init_world(cfg)
-    by_mpi = cfg.model_copy(update={"exchange": cfg.exchange.model_copy(update={"weight_sync_shm": False})})
-    syncs = {"mpi": WeightSync(world, by_mpi), "shm": WeightSync(world, cfg)}
-    assert syncs["shm"].shared_memory and not syncs["mpi"].shared_memory, "both ranks must be on one node"
-    rng = np.random.default_rng(0)
-    n_tensors = 24
-    per = args.weight_mb * (1 << 20) // n_tensors // 4
-    tensors = {f"layer.{i}.weight": rng.standard_normal(per, dtype=np.float32) for i in range(n_tensors)}
-    total = sum(t.nbytes for t in tensors.values())
-    flat = np.concatenate([t.view(np.uint8) for t in tensors.values()])
-    copy_to = np.zeros_like(flat)
-    res: dict[str, list[float]] = {"shm": [], "mpi": [], "raw_bcast": [], "memcpy": []}
-    version, warmup = 0, 2
-    for rnd in range(args.rounds + warmup):
-        version += 1
-        seconds = {name: _one_sync(world, ws, version, tensors) for name, ws in syncs.items()}
-        t1 = time.perf_counter()
-        world.inter_comm.Bcast([flat, MPI.BYTE], root=MPI.ROOT if world.is_trainer else 0)
-        world.comm.Barrier()
-        seconds["raw_bcast"] = time.perf_counter() - t1
-        t1 = time.perf_counter()
-        np.copyto(copy_to, flat)
-        seconds["memcpy"] = time.perf_counter() - t1
-        if rnd >= warmup:
-            for name, sec in seconds.items():
-                res[name].append(total / sec / 1e9)
-    model = _small_model_weights() if world.is_trainer else {}
-    small: dict[str, list[float]] = {"shm": [], "mpi": []}
-    for rnd in range(max(5, args.rounds) * 4 + 1):
-        version += 1
-        for name, ws in syncs.items():
-            sec = _one_sync(world, ws, version, model)
-            if rnd:
-                small[name].append(sec)
-    for ws in syncs.values():
-        ws.close()
-    return {
-        "weight_bytes": total,
-        "gbps": {k: statistics.median(v) for k, v in res.items()},
-        "rounds": res,
-        "small_model": {
-            "bytes": sum(t.nbytes for t in model.values()),
-            **{f"{k}_ms": statistics.median(v) * 1e3 for k, v in small.items()},
-            **{f"{k}_ms_range": [min(v) * 1e3, max(v) * 1e3] for k, v in small.items()},
-        },
-    }
-
-
-def _small_model_weights() -> dict:
-    from rollout_hpc.config import ModelSection
-    from rollout_hpc.models import build_model
-
-    model = build_model(ModelSection(hidden_size=256, num_layers=4, num_heads=4, max_seq_len=64), 99)
-    return {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
-
-
 def _one_sync(world, ws, version: int, tensors: dict) -> float:
     """Seconds of one weight sync between two world barriers: trainers publish `version`, generators
     receive it."""
@@ -277,7 +208,7 @@ def _lora_sync(world, ws, rounds: int, version: int) -> dict:
     syncs: dict[str, dict] = {"full": {}, "lora": {}}
     if world.is_trainer:
         model = build_model(ModelSection(hidden_size=256, num_layers=4, num_heads=4, max_seq_len=64), 99)
-        syncs["full"] = _small_model_weights()  # the same seed: the same weights
+        syncs["full"] = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
         lora.apply_lora(model, LoraSection(rank=8))
         syncs["lora"] = lora.merged_weights(model)
     out = {}
@@ -293,8 +224,7 @@ def _lora_sync(world, ws, rounds: int, version: int) -> dict:
 
 
 def mpi_main(args) -> None:
-    parts = {"exchange": _exchange_part, "weights": _weights_part, "colocated": _colocated_part}
-    out = parts[args.mpi_part](args)
+    out = (_exchange_part if args.mpi_part == "exchange" else _weights_part)(args)
     from mpi4py import MPI
 
     if MPI.COMM_WORLD.Get_rank() == MPI.COMM_WORLD.Get_size() - 1:  # a trainer rank reports
@@ -395,7 +325,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--weight-mb", type=int, default=None)
     p.add_argument("--no-ray", action="store_true")
-    p.add_argument("--mpi-part", choices=["exchange", "weights", "colocated"], help=argparse.SUPPRESS)
+    p.add_argument("--mpi-part", choices=["exchange", "weights"], help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -409,14 +339,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory(
         prefix="bench-exchange-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
     ) as tmp:
-        ex_dir, w_dir, c_dir = Path(tmp, "ex"), Path(tmp, "w"), Path(tmp, "c")
-        ex_dir.mkdir(), w_dir.mkdir(), c_dir.mkdir()
+        ex_dir, w_dir = Path(tmp, "ex"), Path(tmp, "w")
+        ex_dir.mkdir(), w_dir.mkdir()
         write_config(ex_dir, ["exchange.ring_bytes=67108864", "exchange.max_inflight_bytes=33554432"])
         write_config(w_dir, ["generator.nodes=2", "exchange.weight_chunk_bytes=16777216"])
-        write_config(c_dir, ["placement=colocated", "exchange.weight_chunk_bytes=16777216"])
         ex = run_mpi("exchange", ex_dir, args, [(1, "gen0"), (1, "train0")])
         w = run_mpi("weights", w_dir, args, [(1, "gen0"), (1, "gen1"), (1, "train0")])
-        co = run_mpi("colocated", c_dir, args, [(1, "node0"), (1, "node0")])
     ray_res = (
         {"available": False, "why": "--no-ray"} if args.no_ray else ray_bench(max(40, args.batches // 2), args.rounds)
     )
@@ -429,11 +357,6 @@ def main() -> int:
         "exchange_vs_pickle_lists": g["exchange"] / g["pickle_lists"],
         "weight_sync_vs_raw_bcast": w["gbps"]["weight_sync"] / w["gbps"]["raw_bcast"],
     }
-    cg, cs = co["gbps"], co["small_model"]
-    ratios["colocated_sync_shm_vs_mpi"] = cg["shm"] / cg["mpi"]
-    ratios["colocated_sync_shm_vs_raw_bcast"] = cg["shm"] / cg["raw_bcast"]
-    ratios["colocated_sync_shm_vs_memcpy"] = cg["shm"] / cg["memcpy"]
-    ratios["colocated_small_model_shm_vs_mpi"] = cs["mpi_ms"] / cs["shm_ms"]  # time ratio: > 1 = faster
     if ray_res.get("available"):
         ratios["exchange_vs_ray"] = g["exchange"] / ray_res["gbps"]
     print(
@@ -453,13 +376,6 @@ def main() -> int:
     print(
         f"weights: {w['weight_bytes'] / 1e6:.0f} MB to {w['generators']} generators: "
         f"weight_sync {w['gbps']['weight_sync']:.3f} GB/s, raw Bcast {w['gbps']['raw_bcast']:.3f} GB/s"
-    )
-    print(
-        f"colocated (1 generator, 1 trainer, one node): {co['weight_bytes'] / 1e6:.0f} MB: shared memory "
-        f"{cg['shm']:.3f} GB/s, WeightSync over MPI {cg['mpi']:.3f} GB/s, raw Bcast {cg['raw_bcast']:.3f} GB/s, "
-        f"one memcpy {cg['memcpy']:.3f} GB/s; a {cs['bytes'] / 1e6:.1f} MB model: shared memory "
-        f"{cs['shm_ms']:.2f} ms [{cs['shm_ms_range'][0]:.2f}-{cs['shm_ms_range'][1]:.2f}], "
-        f"MPI {cs['mpi_ms']:.2f} ms [{cs['mpi_ms_range'][0]:.2f}-{cs['mpi_ms_range'][1]:.2f}]"
     )
     ls = w["lora_sync"]
     ratios["lora_sync_bytes_vs_full"] = ls["lora"]["bytes"] / ls["full"]["bytes"]
@@ -483,7 +399,6 @@ def main() -> int:
             **{f"{k}_gbps": v for k, v in w["gbps"].items()},
         },
         "lora_sync": ls,
-        "colocated": {k: v for k, v in co.items() if k != "rounds"},
         "ratios": ratios,
         "targets": {"exchange_vs_raw_mpi": 0.9, "exchange_vs_ray": 3.0},
         "seconds": time.perf_counter() - t_start,

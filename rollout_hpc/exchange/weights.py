@@ -20,19 +20,12 @@ batches: `poll()` (non-blocking) or `receive(min_version)` (blocking). The
 trainers' `close()` sends a stop header: generators then see `SyncClosed` once
 no newer version can come.
 
-Where every generator shares the sending trainer's node (placement colocated), the bytes do not go through
-MPI at all: the sender writes them into a shared-memory slot (exchange/weight_slots.py) and the header names the
-slot; each generator's receiver thread copies them out and acknowledges, so the slot can be written again
-(`exchange.weight_sync_shm`; one copy in and one out instead of a broadcast's pipelined copies through MPI's
-shared-memory transport).
-
 `check_staleness` is the trainer-side rule for `exchange.max_staleness`.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 import time
@@ -41,12 +34,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from rollout_hpc.exchange.faults import fault_point
-from rollout_hpc.exchange.ring import ring_path
-from rollout_hpc.exchange.weight_slots import SLOTS, SlotReader, SlotWriter
 from rollout_hpc.trajectory import TrajectoryBatch
 
 _TAG_HEADER = 21
-_TAG_ACK = 22  # generator -> sender over shared memory: "version V copied out of its slot"
 _MAX_MPI_COUNT = (1 << 31) - 1
 
 
@@ -63,7 +53,6 @@ class _Header:
     shapes: list[tuple[int, ...]]
     chunk_bytes: int
     meta: dict | None = None  # small JSON data that goes with this version (the prompt sampler's state)
-    shm: dict | None = None  # {"path", "slot", "slot_bytes"}: the bytes are in a shared-memory slot, not broadcast
 
     def to_json(self) -> bytes:
         """The wire form: JSON (never pickle: a header is data, and unpickling executes whatever a peer sent)."""
@@ -76,7 +65,6 @@ class _Header:
                 "shapes": [list(s) for s in self.shapes],
                 "chunk_bytes": self.chunk_bytes,
                 "meta": self.meta,
-                "shm": self.shm,
             }
         ).encode()
 
@@ -86,11 +74,6 @@ class _Header:
         for dtype in d["dtypes"]:  # numpy dtype strings of plain numbers only (no object dtype)
             if np.dtype(dtype).kind not in "biuf":
                 raise ValueError(f"weight header names dtype {dtype!r}: not a numeric tensor")
-        shm = d.get("shm")
-        if shm is not None:  # where the bytes are: a path, a slot index, a size (nothing else is read from it)
-            shm = {"path": str(shm["path"]), "slot": int(shm["slot"]), "slot_bytes": int(shm["slot_bytes"])}
-            if not 0 <= shm["slot"] < SLOTS or shm["slot_bytes"] < 0:
-                raise ValueError(f"weight header names shared-memory slot {shm}: out of range")
         return cls(
             int(d["version"]),
             bool(d["stop"]),
@@ -99,7 +82,6 @@ class _Header:
             [tuple(int(x) for x in s) for s in d["shapes"]],
             int(d["chunk_bytes"]),
             d.get("meta"),
-            shm,
         )
 
     @property
@@ -166,24 +148,6 @@ class WeightSync:
         self._buffers: list[np.ndarray] = []  # receive buffers, reused once no tensors view them
         self.buffers_reused = 0
         self._staging = np.empty(0, np.uint8)  # the sender packs small tensors here (one broadcast for many)
-        # Same-node transport: every generator on the sending trainer's node (colocated) reads shared memory.
-        sender = next((r for r in world.ranks if r.role == "trainer" and r.group_rank == 0), None)
-        generators = [r for r in world.ranks if r.role == "generator"]
-        self.shared_memory = bool(
-            cfg.exchange.weight_sync_shm
-            and sender is not None
-            and generators
-            and all(r.node_name == sender.node_name for r in generators)
-        )
-        self._slot_dir = cfg.exchange.ring_dir
-        self._slot_name = (cfg.run.name, world.job_id, sender.node_name if sender else "")
-        self._segments = 0  # segments made so far (a new one when a sync's size changes)
-        self._writer: SlotWriter | None = None
-        self._slot_version = [-1] * SLOTS  # sender: the version last written into each slot
-        self._next_slot = 0
-        self._segment_start = -1  # sender: the first version written into the current segment
-        self._acked = [-1] * len(generators)  # sender: the newest version each generator acknowledged
-        self._readers: dict[str, SlotReader] = {}  # generator: the sender's segment(s), mapped
         if world.is_generator:
             self._thread = threading.Thread(target=self._receive_loop, name="weight-sync", daemon=True)
             self._thread.start()
@@ -203,7 +167,6 @@ class WeightSync:
                 self.comm.Bcast([np.empty(0, np.uint8), MPI.BYTE], root=MPI.PROC_NULL)
             return {"version": version, "bytes": 0, "seconds": time.perf_counter() - t0, "role": "trainer"}
         arrays = [np.asarray(a, order="C") for a in (tensors or {}).values()]  # keeps 0-d shapes
-        shared = self._write_slot(int(version), arrays) if self.shared_memory and not _stop else None
         header = _Header(
             version=int(version),
             stop=_stop,
@@ -212,12 +175,11 @@ class WeightSync:
             shapes=[tuple(a.shape) for a in arrays],
             chunk_bytes=self.chunk_bytes,
             meta=meta,
-            shm=shared,
         )
         blob = header.to_json()
         reqs = [self.comm.Isend([blob, MPI.BYTE], dest=g, tag=_TAG_HEADER) for g in range(self.comm.Get_remote_size())]
         flat = [a.reshape(-1).view(np.uint8) for a in arrays]
-        transfers = [] if shared else _transfers([a.nbytes for a in arrays], self.chunk_bytes)
+        transfers = _transfers([a.nbytes for a in arrays], self.chunk_bytes)
         self.world.group_comm.bcast(len(transfers), root=0)
         for pieces in transfers:
             if len(pieces) == 1:
@@ -238,64 +200,10 @@ class WeightSync:
             "seconds": seconds,
             "gb_per_s": nbytes / max(seconds, 1e-9) / 1e9,
             "chunks": len(transfers),
-            "transport": "shm" if shared else "mpi",
             "role": "trainer",
         }
         self.history.append(stats)
         return stats
-
-    # --- trainer side, same-node transport -------------------------------------
-    def _write_slot(self, version: int, arrays: list[np.ndarray]) -> dict:
-        """Write a version's bytes into the next shared-memory slot, once every generator has copied out what
-        that slot held; returns the header's `shm` entry."""
-        nbytes = sum(a.nbytes for a in arrays)
-        if self._writer is None or self._writer.slot_bytes != nbytes:
-            self._new_segment(nbytes, version)
-        assert self._writer is not None
-        slot = self._next_slot
-        self._wait_acks(self._slot_version[slot])
-        self._writer.write(slot, arrays)
-        self._slot_version[slot] = version
-        self._next_slot = (slot + 1) % SLOTS
-        self._drain_acks()
-        if not self._writer.unlinked and min(self._acked) >= self._segment_start:
-            self._writer.unlink()  # every generator mapped it: nothing is left behind if this job dies
-        return {"path": self._writer.path, "slot": slot, "slot_bytes": nbytes}
-
-    def _new_segment(self, nbytes: int, version: int) -> None:
-        if self._writer is not None:  # a sync of another size: the old segment goes once nobody reads it
-            self._wait_acks(max(self._slot_version))
-            self._writer.close()
-        path = ring_path(self._slot_dir, *self._slot_name, f"weights{self._segments}")
-        if os.path.exists(path):  # left by an earlier start of this job (a requeue keeps the job id) that died
-            os.unlink(path)
-        self._segments += 1
-        self._writer = SlotWriter(path, nbytes)
-        self._slot_version = [-1] * SLOTS
-        self._next_slot = 0
-        self._segment_start = version
-
-    def _take_ack(self, blocking: bool) -> bool:
-        MPI = self._MPI
-        status = MPI.Status()
-        if not blocking and not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=_TAG_ACK, status=status):
-            return False
-        got = np.empty(1, np.int64)
-        self.comm.Recv(
-            [got, MPI.BYTE], source=MPI.ANY_SOURCE if blocking else status.Get_source(), tag=_TAG_ACK, status=status
-        )
-        g = status.Get_source()
-        self._acked[g] = max(self._acked[g], int(got[0]))
-        return True
-
-    def _drain_acks(self) -> None:
-        while self._take_ack(blocking=False):
-            pass
-
-    def _wait_acks(self, version: int) -> None:
-        """Until every generator acknowledged `version` (acks come in version order from each)."""
-        while min(self._acked, default=version) < version:
-            self._take_ack(blocking=True)
 
     def close(self) -> None:
         """Trainers: tell generators no more versions come (collective over trainers). Generators: stop the thread."""
@@ -303,12 +211,6 @@ class WeightSync:
             if not self._closed:
                 self._closed = True
                 self.publish(-1, {}, _stop=True)
-            if self._writer is not None:
-                # A generator maps the segment when it reads the segment's first version; after that the file
-                # can go (generators still reading keep their mapping).
-                self._wait_acks(self._segment_start)
-                self._writer.close()
-                self._drain_acks()
         else:
             self._stop_thread = True
             self._wake.set()
@@ -337,10 +239,8 @@ class WeightSync:
                 t0 = time.perf_counter()
                 sizes = header.sizes
                 flat = self._buffer(sum(sizes))
-                if header.shm is not None:
-                    self._read_slot(header, flat)
                 pos = 0
-                for pieces in [] if header.shm else _transfers(sizes, header.chunk_bytes):  # in order, contiguous
+                for pieces in _transfers(sizes, header.chunk_bytes):  # contiguous in `flat`, in order
                     total = sum(hi - lo for _, lo, hi in pieces)
                     self.comm.Bcast([flat[pos : pos + total], MPI.BYTE], root=0)
                     pos += total
@@ -370,20 +270,6 @@ class WeightSync:
             with self._cond:
                 self._error = exc
                 self._cond.notify_all()
-
-    def _read_slot(self, header: _Header, flat: np.ndarray) -> None:
-        """Copy a version out of the sender's shared-memory slot, then acknowledge it (the slot may be reused)."""
-        shm = header.shm
-        assert shm is not None
-        path = shm["path"]
-        if flat.nbytes > shm["slot_bytes"]:
-            raise ValueError(f"weight header: {flat.nbytes} bytes of tensors in a slot of {shm['slot_bytes']}")
-        if path not in self._readers:  # the sender's first or a new segment: older ones are read no more
-            for old in self._readers.values():
-                old.close()
-            self._readers = {path: SlotReader(path)}
-        self._readers[path].read(shm["slot"], shm["slot_bytes"], flat)
-        self.comm.Send([np.array([header.version], np.int64), self._MPI.BYTE], dest=0, tag=_TAG_ACK)
 
     def _buffer(self, nbytes: int) -> np.ndarray:
         """A receive buffer: one of ours that no tensors handed out still view, else a new one. Reuse

@@ -37,11 +37,9 @@ def write_config(run_dir: Path, overrides: list[str]):
 
 
 def node_blocks(cfg, argv: list[str]) -> list[tuple[int, str, list[str]]]:
-    """One MPMD block per node of the config: generators first, like the het job (colocated: node i's generators
-    and trainers share its name, as rollout_hpc.launch.local does)."""
-    gen, train = ("node", "node") if cfg.placement == "colocated" else ("gen", "train")
-    blocks = [(cfg.generator.tasks_per_node, f"{gen}{i}", argv) for i in range(cfg.generator.nodes)]
-    blocks += [(cfg.trainer.tasks_per_node, f"{train}{i}", argv) for i in range(cfg.trainer.nodes)]
+    """One MPMD block per node of the config: generators first, like the het job."""
+    blocks = [(cfg.generator.tasks_per_node, f"gen{i}", argv) for i in range(cfg.generator.nodes)]
+    blocks += [(cfg.trainer.tasks_per_node, f"train{i}", argv) for i in range(cfg.trainer.nodes)]
     return blocks
 
 
