@@ -782,7 +782,8 @@ class Config(_Section):
     placement: Literal["disaggregated", "colocated"] = Field(
         "disaggregated",
         description="disaggregated: generator and trainer groups on nodes of their own (het job); colocated: both on "
-        "the same node(s), taking turns, each using all of the node's cores in its phase (on-policy, local launcher).",
+        "the same node(s), taking turns, each using all of the node's cores in its phase (on-policy; on Slurm one "
+        "job of one component, each node running its generator and trainer tasks).",
     )
 
     @model_validator(mode="after")
@@ -989,10 +990,12 @@ class Config(_Section):
                 f"placement 'colocated' puts the generator and the trainer on the same nodes, but generator.nodes is "
                 f"{self.generator.nodes} and trainer.nodes {self.trainer.nodes}; make them equal"
             )
-        if self.launcher == "slurm":
+        if self.envs.nodes:
             raise ValueError(
-                "placement 'colocated' runs on the local launcher only for now (a Slurm het job gives its groups "
-                "separate nodes); use launcher: local, or placement: disaggregated on Slurm"
+                f"placement 'colocated' runs the generators and trainers of a node in one Slurm job of one component, "
+                f"but envs.nodes is {self.envs.nodes} (an environment group is a het component of its own); set "
+                "envs.nodes: 0 (environments in the generators' worker processes: envs.workers), or use placement "
+                "'disaggregated'"
             )
 
     # --- derived facts used by the launchers and the runtime -----------------

@@ -84,8 +84,10 @@ def test_rendered_script_has_both_het_components(tmp_path):
 def test_one_job_step_spans_both_groups():
     script = render_script(load_config(None), Path("/runs/x"))
     steps = [l for l in script.splitlines() if l.lstrip().startswith("srun ")]
-    # every component of the allocation: 0-1, or 0-2 with a reward group (SLURM_HET_SIZE 3)
-    assert len(steps) == 1 and '--het-group="0-$((${SLURM_HET_SIZE:-2} - 1))"' in steps[0]
+    # every component of the allocation: 0-1, or 0-2 with a reward group (SLURM_HET_SIZE 3); none in a job of one
+    # component (placement colocated)
+    assert len(steps) == 1 and steps[0].startswith('srun "${het_args[@]}"')
+    assert 'het_args=(--het-group="0-$((SLURM_HET_SIZE - 1))")' in script
     assert '--mpi="$ROLLOUT_MPI"' in steps[0]
     assert "rollout_hpc.runtime.entry --run-dir" in script
 

@@ -17,6 +17,22 @@ from rollout_hpc.store.checkpoint import list_checkpoints
 pytestmark = pytest.mark.slurm
 
 
+def warned_once_checkpointed(slurm_cluster, run_dir: Path, job_id: str) -> str:
+    """USR1 to the batch shell once the run has a checkpoint (-> checkpoint, exit 75, requeue); waits for the job to
+    complete and returns its log, having checked that it requeued itself and resumed."""
+    deadline = time.monotonic() + 240
+    while not list_checkpoints(run_dir):  # the step runs (a periodic checkpoint every 3 steps exists)
+        assert time.monotonic() < deadline, job_log(run_dir, job_id)[-4000:]
+        time.sleep(0.5)
+    slurm_cluster.run("scancel", "--signal=USR1", "--batch", job_id)
+    state = slurm_cluster.wait_job(int(job_id), timeout=400)
+    log = job_log(run_dir, job_id)
+    assert state == "COMPLETED", log[-4000:]
+    assert "job step exited with code 75" in log and f"requeueing job {job_id}" in log
+    assert "rollout-hpc: resumed from" in log
+    return log
+
+
 def job_log(run_dir: Path, job_id: str) -> str:
     logs = run_dir / "logs"
     return "".join(

@@ -83,10 +83,11 @@ def launch(cfg, run_dir: Path) -> float:
     """`rollout-hpc submit --local`'s mpirun of `cfg` in run_dir; returns the wall time."""
     import yaml
 
-    from rollout_hpc.launch.local import launch_env, mpirun_command, placement_env
+    from rollout_hpc.launch.local import launch_env, mpirun_command
+    from rollout_hpc.launch.mpi_env import placement_env
 
     (run_dir / "config.resolved.yaml").write_text(yaml.safe_dump(cfg.resolved()))
-    env = {**launch_env(), **placement_env(cfg)}  # as submit --local: colocated ranks wait passively (OpenMP)
+    env = {**launch_env(), **placement_env(cfg)}  # as submit --local: colocated ranks' OpenMP spin briefly
     t0 = time.time()
     done = subprocess.run(mpirun_command(cfg, run_dir), env=env, cwd=REPO, capture_output=True, text=True)
     if done.returncode:

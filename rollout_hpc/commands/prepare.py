@@ -79,10 +79,36 @@ def allocation_layout(env: Mapping[str, str] = os.environ, extra: Sequence[tuple
     return overrides
 
 
+def colocated_layout(cfg, env: Mapping[str, str] = os.environ) -> list[str]:
+    """--set overrides giving a colocated run (one component, each node running both groups) this allocation's node
+    count; its tasks per node must be the config's generator plus trainer tasks."""
+    if env.get("SLURM_HET_SIZE"):
+        raise UserError(
+            f"placement 'colocated' runs as a job of one component, each node running generator and trainer tasks, but "
+            f"this job is heterogeneous ({env['SLURM_HET_SIZE']} components): submit it with `rollout-hpc submit "
+            "CONFIG`, or sbatch the script `rollout-hpc render CONFIG` writes"
+        )
+    nodes, per_node = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES"), env.get("SLURM_NTASKS_PER_NODE")
+    if not nodes:
+        raise UserError("Slurm did not say how many nodes this job has (SLURM_JOB_NUM_NODES); is this a Slurm job?")
+    want = cfg.generator.tasks_per_node + cfg.trainer.tasks_per_node
+    if per_node and _tasks_per_node(per_node) != want:
+        raise UserError(
+            f"placement 'colocated' needs generator.tasks_per_node + trainer.tasks_per_node = {want} tasks on each "
+            f"node, but this job has {per_node} (#SBATCH --ntasks-per-node={want}, or change the config)"
+        )
+    return [f"generator.nodes={int(nodes)}", f"trainer.nodes={int(nodes)}"]
+
+
 def run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.from_allocation:
-        layout = allocation_layout(extra=extra_components(load_config(args.config, overrides)))
+        asked = load_config(args.config, overrides)
+        layout = (
+            colocated_layout(asked)
+            if asked.placement == "colocated"
+            else allocation_layout(extra=extra_components(asked))
+        )
         print(f"rollout-hpc prepare: layout from the allocation: {' '.join(layout)}", file=sys.stderr)
         overrides += layout
     cfg = load_config(args.config, overrides)

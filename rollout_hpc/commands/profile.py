@@ -17,7 +17,8 @@ from rollout_hpc.commands import add_config_arguments, config_path, out
 from rollout_hpc.config import load_config
 from rollout_hpc.errors import UserError
 from rollout_hpc.launch import rundir
-from rollout_hpc.launch.local import placement_env, record_mpirun_command, require_mpirun, run_local
+from rollout_hpc.launch.local import record_mpirun_command, require_mpirun, run_local
+from rollout_hpc.launch.mpi_env import placement_env
 from rollout_hpc.launch.status import ENDED, job_states
 from rollout_hpc.launch.submit import resolve_launcher, submit_slurm
 from rollout_hpc.scale.profile import PROFILE_FILE, Profile

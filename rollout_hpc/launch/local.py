@@ -22,7 +22,7 @@ from rollout_hpc.config import Config
 from rollout_hpc.errors import UserError
 from rollout_hpc.launch import rundir
 from rollout_hpc.launch.executables import require_executable
-from rollout_hpc.launch.mpi_env import fresh_job_env
+from rollout_hpc.launch.mpi_env import fresh_job_env, placement_env
 from rollout_hpc.rundir_layout import EXIT_CONTINUE
 from rollout_hpc.store.atomic import is_disk_full, space_note
 
@@ -69,16 +69,6 @@ def launch_env() -> dict[str, str]:
     if os.geteuid() == 0:  # Open MPI refuses root unless told it is intended
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     return env
-
-
-def placement_env(cfg: Config) -> dict[str, str]:
-    """Colocated ranks take turns on the same cores, each with all of them: an OpenMP worker that spins after its
-    parallel region (libgomp's default) takes a core from the rank whose turn it is. Measured here: a colocated
-    step took 0.13 s or, whenever the spinning overlapped, 0.40-0.45 s. Sleep at once instead (unless the user
-    chose). The profiling job measures the all-cores speed-up that colocated ranks get under the same policy."""
-    if "OMP_WAIT_POLICY" in os.environ or (cfg.placement != "colocated" and cfg.run.program != "profile"):
-        return {}
-    return {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def mpi_shm_dir(run_dir: Path) -> Path:

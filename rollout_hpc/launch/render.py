@@ -20,6 +20,7 @@ import jinja2
 from rollout_hpc import __version__
 from rollout_hpc.config import Config, GroupSection
 from rollout_hpc.errors import UserError
+from rollout_hpc.launch.mpi_env import placement_env
 
 BASE_TEMPLATE = "rollout.sbatch"
 CONFIG_TEMPLATE = "directives.j2"
@@ -110,6 +111,32 @@ def _group_options(cfg: Config, group: GroupSection) -> list[str]:
     return opts
 
 
+def _colocated_options(cfg: Config) -> list[str]:
+    """One component for placement 'colocated': each node runs its generator tasks and its trainer tasks (the step's
+    cyclic distribution puts generator i and trainer i on node i, see colocated_srun_args), with the CPUs and memory
+    of both groups; each rank uses all of them in its phase."""
+    g, t = cfg.generator, cfg.trainer
+    merged = g.model_copy(
+        update={
+            "tasks_per_node": g.tasks_per_node + t.tasks_per_node,
+            "cpus_per_task": max(g.cpus_per_task, t.cpus_per_task),
+            "gpus_per_task": max(g.gpus_per_task, t.gpus_per_task),
+            "mem": g.mem or t.mem,
+            "partition": g.partition or t.partition,
+            "constraint": g.constraint or t.constraint,
+        }
+    )
+    return _group_options(cfg, merged)
+
+
+def colocated_srun_args(cfg: Config) -> list[str]:
+    """The job step of a colocated job. World ranks [0, G) are the generators and the trainers follow, with as many
+    of each on every node: `cyclic` deals rank r to node r mod N, so node i gets generator i and trainer i (with
+    more tasks per node, every node the same share of each). No CPU binding: the two roles of a node take turns,
+    each with all of the node's CPUs (runtime/train_program.cpu_threads)."""
+    return ["--distribution=cyclic", "--cpu-bind=none"] if cfg.placement == "colocated" else []
+
+
 def _one_line(text: str, what: str) -> str:
     """A value written into the script outside shell quoting (#SBATCH lines, the header comment) must stay on its line."""
     if re.search(r"[\x00-\x1f\x7f]", text):
@@ -132,8 +159,11 @@ def components(cfg: Config, run_dir: Path) -> list[Component]:
         f"--error={run_dir}/logs/slurm-%j.err",
         *cfg.slurm.extra_sbatch,
     ]
-    out = [Component("generator", job_wide[:1] + _group_options(cfg, cfg.generator) + job_wide[1:])]
-    out += [Component(role, _group_options(cfg, group)) for role, group, _ in cfg.het_groups[1:]]
+    if cfg.placement == "colocated":
+        out = [Component("generator and trainer", job_wide[:1] + _colocated_options(cfg) + job_wide[1:])]
+    else:
+        out = [Component("generator", job_wide[:1] + _group_options(cfg, cfg.generator) + job_wide[1:])]
+        out += [Component(role, _group_options(cfg, group)) for role, group, _ in cfg.het_groups[1:]]
     for component in out:  # config validation refuses these already; the script must never depend on it
         for option in component.options:
             _one_line(option, "#SBATCH option")
@@ -163,6 +193,7 @@ def render_script(cfg: Config, run_dir: Path, source: str = "(defaults)") -> str
     run_dir = Path(os.path.abspath(run_dir))
     _check_path(run_dir)
     srun_args, exec_prefix = _step_prefixes(cfg)
+    srun_args = colocated_srun_args(cfg) + srun_args
     return (
         template_env()
         .get_template(CONFIG_TEMPLATE)
@@ -176,7 +207,7 @@ def render_script(cfg: Config, run_dir: Path, source: str = "(defaults)") -> str
             mpi=cfg.slurm.mpi,
             max_requeues=cfg.slurm.max_requeues,
             modules=cfg.slurm.modules,
-            env=cfg.slurm.env,
+            env={**placement_env(cfg), **cfg.slurm.env},
             srun_args=srun_args,
             exec_prefix=exec_prefix,
         )

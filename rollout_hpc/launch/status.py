@@ -117,9 +117,13 @@ def _from_sacct(job_id: str, roles: Sequence[str]) -> list[ComponentState] | Non
 
 
 def run_roles(run_dir: str | Path) -> Sequence[str]:
-    """The roles of a run's het components, in order (from its resolved config; the first two without one)."""
+    """The roles of a run's het components, in order (from its resolved config; the first two without one). A
+    colocated run's job has one component, each node running both groups."""
     try:
-        return [role for role, _, _ in load_config(Path(run_dir) / RESOLVED_CONFIG).het_groups]
+        cfg = load_config(Path(run_dir) / RESOLVED_CONFIG)
+        if cfg.placement == "colocated":
+            return ["generator+trainer"]
+        return [role for role, _, _ in cfg.het_groups]
     except (OSError, UserError):
         return ROLES
 

@@ -27,9 +27,8 @@ class Submission:
 
 
 def resolve_launcher(cfg: Config, force_local: bool = False) -> str:
-    """'slurm' or 'local'. auto = Slurm when sbatch is on PATH, else the local mpirun launcher; always local for
-    placement 'colocated' (a Slurm het job gives its groups separate nodes)."""
-    if force_local or cfg.placement == "colocated":
+    """'slurm' or 'local'. auto = Slurm when sbatch is on PATH, else the local mpirun launcher."""
+    if force_local:
         return "local"
     if cfg.launcher == "auto":
         return "slurm" if shutil.which("sbatch") else "local"
