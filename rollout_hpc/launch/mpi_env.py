@@ -66,7 +66,8 @@ def placement_env(cfg: Config) -> dict[str, str]:
     whenever the spinning overlapped). Sleeping at once (OMP_WAIT_POLICY=PASSIVE) avoided that but made every op a
     futex wake-up: the trainer's step 20-30 % slower in a single process. A short spin keeps the workers awake
     between the ops of a phase and frees the cores within about a millisecond of its end: colocated steps 0.142 s
-    against 0.164 s with PASSIVE (medians of 4 alternating runs of 100 steps, tools/bench_e2e.py's task). Intel's
+    against 0.164 s with PASSIVE (medians of 4 alternating runs of 100 steps, tools/bench_e2e.py's task);
+    the benchmark itself, 5 rounds each: 1041 [913-1163] against 996 [942-1031] samples/s. Intel's
     OpenMP runtime reads KMP_BLOCKTIME (ms) instead. A user's own setting of any of these wins. The profiling job
     measures the all-cores speed-up that colocated ranks get under the same setting."""
     if any(v in os.environ for v in _WAIT_VARIABLES) or (cfg.placement != "colocated" and cfg.run.program != "profile"):
