@@ -120,3 +120,22 @@ def test_doctor_on_the_slurm_cluster_probes_both_het_groups(slurm_cluster, tmp_p
     assert rows(out) == verdicts(failed=set()), out
     nodes = re.search(r"2 ranks on 2 node\(s\) \((n\d), (n\d)\)", out)
     assert nodes and nodes[1] != nodes[2], out  # one rank per het group, each on its own node
+
+
+@pytest.mark.slurm
+def test_doctor_probes_a_colocated_layout_as_one_component_on_the_slurm_cluster(slurm_cluster, tmp_path):
+    """placement colocated: the probe's srun asks for one component (both groups' tasks on each node, dealt out
+    cyclically), so generator and trainer rank share the node."""
+    doctor = [sys.executable, "-m", "rollout_hpc", "doctor", str(write_config(tmp_path)), "--set", "launcher=slurm"]
+    done = subprocess.run(
+        [*doctor, "--set", "placement=colocated"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**slurm_cluster.env, "COLUMNS": "250"},
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert rows(out) == verdicts(failed=set()), out
+    assert re.search(r"2 ranks on 1 node\(s\) \(n\d\)", out), out

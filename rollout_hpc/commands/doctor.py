@@ -32,6 +32,7 @@ from rollout_hpc import __version__
 from rollout_hpc.commands import add_config_arguments, load, out
 from rollout_hpc.config import Config, UserError
 from rollout_hpc.launch.local import ENTRY, launch_env, mpirun_command
+from rollout_hpc.launch.render import colocated_srun_args
 from rollout_hpc.launch.submit import resolve_launcher
 
 _MARK = "ROLLOUT_DOCTOR "  # the probe's result line on rank 0's stdout
@@ -178,7 +179,8 @@ def _probe_argv(python: str, spec: dict) -> list[str]:
 
 
 def probe_command(cfg: Config, spec: dict, in_allocation: bool) -> list[str]:
-    """The probe over the run's rank layout: mpirun's MPMD blocks (local) or srun over both het groups (Slurm)."""
+    """The probe over the run's rank layout: mpirun's MPMD blocks (local) or srun over both het groups (Slurm; a
+    colocated run: one component, the job step's cyclic distribution)."""
     python = cfg.slurm.python or sys.executable
     if resolve_launcher(cfg) == "local":
         entry = [sys.executable, *ENTRY, "--run-dir", "RUN_DIR"]
@@ -193,10 +195,16 @@ def probe_command(cfg: Config, spec: dict, in_allocation: bool) -> list[str]:
                 i += 1
         return out_cmd
     mpi = f"--mpi={cfg.slurm.mpi}"
+    colocated = colocated_srun_args(cfg)  # one component, both groups on every node (else nothing)
     if in_allocation:
-        return ["srun", "--het-group=0,1", mpi, *_probe_argv(python, spec)]
-    cmd = ["srun", mpi, "--job-name=rollout-hpc-doctor", "--time=00:05:00"]
-    for i, group in enumerate((cfg.generator, cfg.trainer)):
+        return ["srun", *(colocated or ["--het-group=0,1"]), mpi, *_probe_argv(python, spec)]
+    cmd = ["srun", mpi, "--job-name=rollout-hpc-doctor", "--time=00:05:00", *colocated]
+    if colocated:
+        g, t = cfg.generator, cfg.trainer
+        layouts: tuple = (g.model_copy(update={"tasks_per_node": g.tasks_per_node + t.tasks_per_node}),)
+    else:
+        layouts = (cfg.generator, cfg.trainer)
+    for i, group in enumerate(layouts):
         if i:
             cmd.append(":")
         cmd += [f"--nodes={group.nodes}", f"--ntasks-per-node={group.tasks_per_node}"]
