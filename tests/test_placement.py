@@ -145,12 +145,15 @@ def test_a_colocated_job_script_is_one_component_whose_step_deals_ranks_cyclical
             "trainer.tasks_per_node=2",
             "generator.cpus_per_task=4",
             "trainer.cpus_per_task=2",
+            "generator.mem=16G",
+            "trainer.mem=512M",
         ],
     )
     script = render_script(cfg, tmp_path / "run")
     directives = [line for line in script.splitlines() if line.startswith("#SBATCH")]
     assert "#SBATCH hetjob" not in directives
     assert {"#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=3", "#SBATCH --cpus-per-task=4"} <= set(directives)
+    assert "#SBATCH --mem=16896M" in directives  # both groups' memory on each node
     assert "srun_args=(--distribution=cyclic --cpu-bind=none)" in script
     assert "export GOMP_SPINCOUNT=50000" in script
     assert "het_args=(--het-group=" in script  # only when Slurm says the job is heterogeneous

@@ -7,6 +7,7 @@ the environment block and the job step's srun/exec prefix arrays.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shlex
@@ -121,12 +122,27 @@ def _colocated_options(cfg: Config) -> list[str]:
             "tasks_per_node": g.tasks_per_node + t.tasks_per_node,
             "cpus_per_task": max(g.cpus_per_task, t.cpus_per_task),
             "gpus_per_task": max(g.gpus_per_task, t.gpus_per_task),
-            "mem": g.mem or t.mem,
+            "mem": _node_memory(g.mem, t.mem),
             "partition": g.partition or t.partition,
             "constraint": g.constraint or t.constraint,
         }
     )
     return _group_options(cfg, merged)
+
+
+_MB = {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}
+
+
+def _node_memory(a: str | None, b: str | None) -> str | None:
+    """--mem of a node running both groups: the sum of theirs ('0', all of the node's memory, wins)."""
+    if a is None or b is None or "0" in (a, b):
+        return "0" if "0" in (a, b) else a or b
+    total = 0.0
+    for size in (a, b):
+        m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]?)B?", size)
+        assert m is not None  # the config validated it (config._SLURM_MEM)
+        total += float(m[1]) * _MB[m[2] or "M"]  # Slurm's default unit: megabytes
+    return f"{math.ceil(total)}M"
 
 
 def colocated_srun_args(cfg: Config) -> list[str]:
