@@ -10,8 +10,12 @@ Protocol: stdin/stdout, each message a 4-byte little-endian length and a pickle.
 `protocol_stdio()` moves the protocol to duplicates of fds 0 and 1, so user code printing to stdout cannot corrupt
 it (fd 1 goes to stderr, fd 0 to /dev/null); `die_with_parent` ends the worker within 0.5 s of its parent's death,
 even while a call of user code hangs. INT, TERM, USR1 and USR2 are ignored: the parent owns the worker's life (batch
-shells forward signals to whole process groups; the rank decides, and closing the worker's stdin or the rank's death
-ends it).
+shells forward signals to whole process groups, and slurmstepd signals every process of a job step; the rank decides,
+and closing the worker's stdin or the rank's death ends it). From its first instruction: `spawn` starts the worker with
+those signals blocked (a signal mask survives fork and exec), and the worker unblocks them only once it ignores them,
+so a time-limit warning that arrives while a worker's interpreter starts stays pending and is then dropped. Before,
+it killed the worker (the default action of USR1) and the rank ended the job instead of checkpointing: seen in the
+Slurm fault-injection suite, a storm of warnings right after a requeued job started its reward workers.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from pathlib import Path
 from typing import BinaryIO, cast
 
 HEADER = struct.Struct("<I")
+JOB_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)  # the job's: the rank's to act on
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
 
 
@@ -47,13 +52,19 @@ def spawn(module: str) -> subprocess.Popen:
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if _PACKAGE_ROOT not in paths:  # so `-m rollout_hpc...` resolves to this very package
         env["PYTHONPATH"] = os.pathsep.join([*paths, _PACKAGE_ROOT])
-    return subprocess.Popen(
-        [sys.executable, "-m", module, str(os.getpid())],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        env=env,
-        bufsize=0,
-    )
+    # Blocked in this thread only while it starts the worker, which inherits the mask (the module docstring);
+    # a signal for the rank meanwhile goes to one of its other threads, and Python runs the handler as usual.
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", module, str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            bufsize=0,
+        )
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def send(proc: subprocess.Popen, data: bytes) -> bool:
@@ -200,8 +211,9 @@ def protocol_stdio(argv: list[str]) -> tuple[BinaryIO, int]:
     """Set a worker up (argv[1] is its parent's pid): die with the parent, ignore the job's signals, move the
     protocol off fds 0 and 1. Returns (the stream to read messages from, the fd to write them to)."""
     die_with_parent(int(argv[1]) if len(argv) > 1 else 0)
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+    for sig in JOB_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, JOB_SIGNALS)  # blocked since spawn(): what came meanwhile is dropped
     proto_in, proto_out = os.dup(0), os.dup(1)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)

@@ -421,3 +421,21 @@ def test_bench_quick_reports_json(repo_root, venv_python):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["jobs"] == 128 and result["pool_ms"] > 0 and result["in_process_ms"] > 0
     assert os.environ.get("CI") or result["pool_ms"] < 200  # generous: the machine is shared
+
+
+def test_the_jobs_signals_at_a_workers_start_do_not_kill_it(pool_factory):
+    """slurmstepd signals every process of a job step: a time-limit warning (USR1), and the other job signals, must
+    not kill a reward worker whose interpreter is still starting (before it ignores them). It starts with them
+    blocked; once it ignores them they are dropped, and it scores. (Seen: a storm of warnings right after a requeued
+    job started killed a worker, and its rank ended the job instead of checkpointing.)"""
+    import signal
+
+    pool = pool_factory("reward_plugins:pid", n_workers=2)
+    pids = list(pool.pids)
+    assert len(pids) == 2
+    for pid in pids:  # at once: the workers are still starting Python
+        for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
+            os.kill(pid, sig)
+    pool.warmup()
+    scored = {int(r.value) for r in pool.score([(i, "") for i in range(32)])}
+    assert scored == set(pids) and pool.pids == pids  # the same two workers, alive, scoring
