@@ -65,3 +65,50 @@ def test_a_zombie_mpirun_is_not_a_running_run():
         assert local_state({**record, "pid": os.getpid()}) == "RUNNING"
     finally:
         os.waitpid(child, 0)
+
+
+def _caught(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (SigCgt in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(mask >> (sig - 1) & 1)
+
+
+def _torch_loaded(pid: int) -> bool:
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return True
+
+
+def test_a_warning_that_reaches_the_ranks_while_they_start_checkpoints_instead_of_killing_them(tmp_path):
+    """Slurm sends the time-limit warning (USR1) to every task of the step, whenever it comes: a rank still importing
+    (torch takes seconds) used to die of it (USR1's default action; exit 138, no requeue). Each rank is signalled
+    as soon as its entry point holds the signal, before torch is loaded: the run starts anyway, stops at the first
+    step boundary with a checkpoint, and exits 75 (continue)."""
+    run_dir = tmp_path / "run"
+    config = write_run_config(tmp_path, "run")
+    run = Interruptible("submit", config, "--local", "--run-dir", run_dir, cwd=tmp_path)
+    signalled: dict[int, bool] = {}  # rank pid -> torch was not loaded yet when it got USR1
+    deadline = time.monotonic() + 60
+    while len(signalled) < 2:
+        assert time.monotonic() < deadline and run.proc.poll() is None, signalled
+        for pid in _processes_mentioning(str(run_dir)):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+            except OSError:
+                continue
+            if pid in signalled or "python" not in argv[0] or "rollout_hpc.runtime.entry" not in argv:
+                continue  # mpirun and the launcher mention the run directory too
+            if _caught(pid, signal.SIGUSR1):
+                early = not _torch_loaded(pid)
+                os.kill(pid, signal.SIGUSR1)
+                signalled[pid] = early
+        time.sleep(0.005)
+    assert any(signalled.values()), "no rank was signalled before it loaded torch: the start-up window was missed"
+    assert run.finish() == 75, run.output[-3000:]
+    assert "User defined signal" not in run.output
+    assert json.loads(cli("ckpt", run_dir, "--json", cwd=tmp_path).stdout)["step"] >= 1

@@ -23,6 +23,7 @@ import numpy as np
 
 from rollout_hpc.config import ConfigError
 from rollout_hpc.rundir_layout import EXIT_CONTINUE
+from rollout_hpc.runtime import early_signals
 from rollout_hpc.runtime.world import sleeping_barrier
 from rollout_hpc.store import checkpoint as store
 
@@ -36,8 +37,10 @@ _stop = threading.Event()
 def install_stop_handlers() -> None:
     """SIGUSR1 / SIGTERM only set a flag (on every rank: USR1's default action would kill it).
     Trainers act on it at the next step boundary; generators stop when the trainers close the weight stream."""
-    for sig in (signal.SIGUSR1, signal.SIGTERM):
+    for sig in early_signals.STOP_SIGNALS:
         signal.signal(sig, lambda signum, frame: _stop.set())
+    if early_signals.take():  # one came while the rank started (runtime/early_signals.py)
+        _stop.set()
 
 
 def stop_signalled() -> bool:

@@ -11,6 +11,10 @@ never leave the others blocked in MPI until the time limit.
 
 from __future__ import annotations
 
+from rollout_hpc.runtime import early_signals
+
+early_signals.hold()  # before the imports below: a time-limit warning during start-up must not kill the rank
+
 import argparse
 import faulthandler
 import io

@@ -25,6 +25,7 @@ def test_every_local_fault_kind_is_survived_with_nothing_lost(repo_root, tmp_pat
         timeout=900,
     )
     report = done.stdout + done.stderr[-4000:]
+    assert done.stdout.strip(), report  # chaos.py ended before its summary line: its error is in the report
     result = json.loads(done.stdout.splitlines()[-1])  # the JSON line comes last
     kinds = {k for k in CAUSES if os.geteuid() == 0 or k not in NEEDS_ROOT}
     assert set(result["by_fault"]) == kinds, report

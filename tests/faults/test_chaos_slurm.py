@@ -27,6 +27,7 @@ def test_every_slurm_fault_kind_is_survived_with_nothing_lost(slurm_cluster, rep
         env=slurm_cluster.env,
     )
     report = done.stdout + done.stderr[-4000:]
+    assert done.stdout.strip(), report  # chaos.py ended before its summary line: its error is in the report
     result = json.loads(done.stdout.splitlines()[-1])
     assert set(result["by_fault"]) == set(SLURM_CAUSES), report
     assert result["faults_injected"] == result["survived"] == len(SLURM_CAUSES), report
