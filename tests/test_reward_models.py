@@ -210,7 +210,8 @@ def test_a_reward_group_is_a_third_het_component_after_the_trainers(tmp_path):
     reward_lines = script.split("# het component 2: reward nodes")[1]
     assert "#SBATCH --nodes=2" in reward_lines and "#SBATCH --ntasks-per-node=3" in reward_lines
     assert "#SBATCH --partition=rm" in reward_lines and "#SBATCH --gpus-per-task=1" in reward_lines
-    assert 'srun --het-group="0-$((${SLURM_HET_SIZE:-2} - 1))"' in script
+    # one step over every component Slurm reports (SLURM_HET_SIZE 3 here)
+    assert 'het_args=(--het-group="0-$((SLURM_HET_SIZE - 1))")' in script and 'srun "${het_args[@]}"' in script
     nodes = [w.split("=", 1)[1] for w in mpirun_command(cfg, tmp_path / "run") if w.startswith("ROLLOUT_NODE=")]
     assert nodes == ["gen0", "train0", "train1", "rm0", "rm1"]
     # plain sbatch: the allocation's third component sizes every model of the group
