@@ -32,7 +32,7 @@ from rollout_hpc import __version__
 from rollout_hpc.commands import add_config_arguments, load, out
 from rollout_hpc.config import Config, UserError
 from rollout_hpc.launch.local import ENTRY, launch_env, mpirun_command
-from rollout_hpc.launch.render import colocated_srun_args
+from rollout_hpc.launch.render import colocated_group, colocated_srun_args
 from rollout_hpc.launch.submit import resolve_launcher
 
 _MARK = "ROLLOUT_DOCTOR "  # the probe's result line on rank 0's stdout
@@ -199,11 +199,7 @@ def probe_command(cfg: Config, spec: dict, in_allocation: bool) -> list[str]:
     if in_allocation:
         return ["srun", *(colocated or ["--het-group=0,1"]), mpi, *_probe_argv(python, spec)]
     cmd = ["srun", mpi, "--job-name=rollout-hpc-doctor", "--time=00:05:00", *colocated]
-    if colocated:
-        g, t = cfg.generator, cfg.trainer
-        layouts: tuple = (g.model_copy(update={"tasks_per_node": g.tasks_per_node + t.tasks_per_node}),)
-    else:
-        layouts = (cfg.generator, cfg.trainer)
+    layouts = (colocated_group(cfg),) if colocated else (cfg.generator, cfg.trainer)  # as the job script's
     for i, group in enumerate(layouts):
         if i:
             cmd.append(":")

@@ -112,12 +112,12 @@ def _group_options(cfg: Config, group: GroupSection) -> list[str]:
     return opts
 
 
-def _colocated_options(cfg: Config) -> list[str]:
-    """One component for placement 'colocated': each node runs its generator tasks and its trainer tasks (the step's
-    cyclic distribution puts generator i and trainer i on node i, see colocated_srun_args), with the CPUs and memory
-    of both groups; each rank uses all of them in its phase."""
+def colocated_group(cfg: Config) -> GroupSection:
+    """The one component of placement 'colocated': each node runs its generator tasks and its trainer tasks (the
+    step's cyclic distribution puts generator i and trainer i on node i, see colocated_srun_args), with the CPUs and
+    memory of both groups; each rank uses all of them in its phase."""
     g, t = cfg.generator, cfg.trainer
-    merged = g.model_copy(
+    return g.model_copy(
         update={
             "tasks_per_node": g.tasks_per_node + t.tasks_per_node,
             "cpus_per_task": max(g.cpus_per_task, t.cpus_per_task),
@@ -127,7 +127,6 @@ def _colocated_options(cfg: Config) -> list[str]:
             "constraint": g.constraint or t.constraint,
         }
     )
-    return _group_options(cfg, merged)
 
 
 _MB = {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}
@@ -176,7 +175,8 @@ def components(cfg: Config, run_dir: Path) -> list[Component]:
         *cfg.slurm.extra_sbatch,
     ]
     if cfg.placement == "colocated":
-        out = [Component("generator and trainer", job_wide[:1] + _colocated_options(cfg) + job_wide[1:])]
+        node = _group_options(cfg, colocated_group(cfg))
+        out = [Component("generator and trainer", job_wide[:1] + node + job_wide[1:])]
     else:
         out = [Component("generator", job_wide[:1] + _group_options(cfg, cfg.generator) + job_wide[1:])]
         out += [Component(role, _group_options(cfg, group)) for role, group, _ in cfg.het_groups[1:]]

@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         # From here the rank only tears down. A time-limit warning now must not kill it: when Python
         # finalizes it gives USR1 back its default action (terminate), but leaves an ignored signal ignored.
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
+        for sig in early_signals.STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
 
 
