@@ -1,3 +1,3 @@
-from rollout_hpc.cli import main
+from rollout_hpc.cli import console_main
 
-raise SystemExit(main())
+raise SystemExit(console_main())

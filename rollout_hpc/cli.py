@@ -16,6 +16,7 @@ import traceback
 
 from rollout_hpc import __version__, commands
 from rollout_hpc.errors import UserError
+from rollout_hpc.process_exit import exit_now
 
 EPILOG = """\
 examples:
@@ -78,5 +79,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def console_main() -> int:
+    """The `rollout-hpc` command: main(), then the process ends without the interpreter's tear-down (1.5 s once a
+    command has loaded torch; rollout_hpc.process_exit). Tests call main() and keep their process."""
+    code = main()
+    exit_now(code)
+    return code
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(console_main())

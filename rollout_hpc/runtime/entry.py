@@ -28,6 +28,7 @@ from typing import cast
 from rollout_hpc.config import load_config
 from rollout_hpc.errors import EntryError, UserError
 from rollout_hpc.exchange.forward import ExchangeError
+from rollout_hpc.process_exit import exit_now
 from rollout_hpc.rundir_layout import EXIT_USER_ERROR, RESOLVED_CONFIG
 from rollout_hpc.runtime.world import WorldError, init_world
 from rollout_hpc.trajectory import LayoutError
@@ -142,4 +143,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    exit_now(code)  # a finished rank: skip the interpreter's tear-down
+    raise SystemExit(code)
