@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
         "rundir_layout",
         "_ring",
         "worker_process",
+        "process_exit",
     ),  # contracts every layer shares; import nothing of ours
     ("algos",),  # the algorithm table (the config reads its names) and pure torch functions; imports nothing of ours
     ("config",),
