@@ -55,6 +55,7 @@ import time
 import numpy as np
 
 from rollout_hpc.exchange.faults import fault_point
+from rollout_hpc.exchange.pacing import ArrivalPacer
 from rollout_hpc.trajectory import LayoutError, TrajectoryBatch
 
 TAG_DATA, TAG_ACK, TAG_END, TAG_ABORT = 31, 32, 33, 34
@@ -65,7 +66,8 @@ _DONE = b"RHDONE"  # a ring record: one rank of the node will put nothing more
 # ends the moment a record is pushed; MPI has no such wait (a blocking Probe spins a core), so it is polled.
 _RING_WAIT = 0.05  # forwarder with nothing in MPI to watch: sleep on the ring this long between ABORT checks
 _MPI_POLL = (50e-6, 1e-3)  # forwarder watching sends/ACKs: first and longest wait between MPI polls
-_RECV_POLL_HUNGRY = (50e-6, 100e-6)  # receiver while a trainer rank of this process waits in get()
+_RECV_POLL_HUNGRY = (50e-6, 1e-3)  # receiver while a trainer rank of this process waits in get(): fine and coarse
+# probes of an ArrivalPacer (exchange/pacing.py), fine once most of the last wait has passed
 _RECV_POLL_IDLE = (50e-6, 2e-3)  # receiver while the trainers are busy (a batch would only wait in the ring)
 
 
@@ -556,17 +558,27 @@ class _Receiver(_Worker):
 
     def loop(self):
         MPI, ring, backoff = self.MPI, self.ex.ring, _Backoff(*_RECV_POLL_IDLE)
+        pacer = ArrivalPacer(*_RECV_POLL_HUNGRY)
         hungry, wake = self.ex._hungry, self.ex._wake
         while self.ends < self.n_sources:
             self.acks = [(r, b) for r, b in self.acks if not r.Test()]
             msg = self.comm.Improbe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=self.status)
             if msg is None:
-                # A trainer waiting in get() wants the batch now: poll fast. Otherwise back off further (a batch
-                # would only sit in the ring), and a get() that starts waiting ends the back-off early.
-                if wake.wait(backoff.next(_RECV_POLL_HUNGRY[1] if hungry.is_set() else None)):
+                # A trainer waiting in get() wants the batch now: poll fast once it is due (the pacer: the last wait
+                # said when). Otherwise back off further (a batch would only sit in the ring), and a get() that
+                # starts waiting ends the back-off early.
+                if hungry.is_set():
+                    pacer.start()
+                    delay = pacer.next()
+                else:
+                    pacer.cancel()
+                    delay = backoff.next()
+                if wake.wait(delay):
                     wake.clear()
                     backoff.reset()
                 continue
+            if hungry.is_set():
+                pacer.arrived()
             backoff.reset()
             source, tag, count = self.status.Get_source(), self.status.Get_tag(), self.status.Get_count(MPI.BYTE)
             if tag == TAG_DATA:

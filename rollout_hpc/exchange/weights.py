@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rollout_hpc.exchange.faults import fault_point
+from rollout_hpc.exchange.pacing import ArrivalPacer
 from rollout_hpc.trajectory import TrajectoryBatch
 
 _TAG_HEADER = 21
@@ -222,15 +223,21 @@ class WeightSync:
     def _receive_loop(self) -> None:
         MPI = self._MPI
         status = MPI.Status()
+        # While a generator waits in receive(): probes paced by how long the last wait took (exchange/pacing.py)
+        pacer = ArrivalPacer(fine=self.WAITING_POLL_S)
         try:
             while not self._stop_thread:
                 if not self.comm.Iprobe(source=0, tag=_TAG_HEADER, status=status):
                     if self._waiting:
-                        time.sleep(self.WAITING_POLL_S)
-                    else:  # a slow probe may be long: receive() cuts it short, so a waiting rank probes at once
+                        pacer.start()
+                        time.sleep(pacer.next())
+                    else:
+                        pacer.cancel()  # a slow probe may be long: receive() cuts it short, so a waiting rank probes at once
                         self._wake.wait(self._poll_interval)
                         self._wake.clear()
                     continue
+                if self._waiting:
+                    pacer.arrived()
                 blob = bytearray(status.Get_count(MPI.BYTE))
                 self.comm.Recv([blob, MPI.BYTE], source=0, tag=_TAG_HEADER)
                 header = _Header.from_json(blob)

@@ -1,0 +1,55 @@
+"""exchange/pacing.ArrivalPacer: fine probes for the first wait and once most of the last wait has passed, coarse
+sleeps before that; a wait given up keeps the last length."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout_hpc.exchange import pacing
+from rollout_hpc.exchange.pacing import ArrivalPacer
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(pacing.time, "monotonic", lambda: now[0])
+    return now
+
+
+def test_probes_are_fine_until_a_wait_has_been_seen(clock):
+    pacer = ArrivalPacer(fine=50e-6, coarse=1e-3, lead=0.75)
+    assert pacer.next() == 50e-6  # not waiting
+    pacer.start()
+    clock[0] += 0.01
+    assert pacer.next() == 50e-6  # the first wait: nothing to go by
+    clock[0] += 0.03
+    pacer.arrived()
+    assert pacer.last == pytest.approx(0.04)
+
+
+def test_coarse_sleeps_until_most_of_the_last_wait_has_passed_then_fine(clock):
+    pacer = ArrivalPacer(fine=50e-6, coarse=1e-3, lead=0.75)
+    pacer.last = 0.04  # the last wait: 40 ms, so probe finely from 30 ms on
+    pacer.start()
+    assert pacer.next() == 1e-3
+    clock[0] += 0.0295
+    assert pacer.next() == pytest.approx(0.0005)  # never past the point where fine probes start
+    clock[0] += 0.0005
+    assert pacer.next() == 50e-6
+    clock[0] += 0.02  # later than expected: still fine probes
+    assert pacer.next() == 50e-6
+    pacer.arrived()
+    assert pacer.last == pytest.approx(0.05)
+
+
+def test_start_during_a_wait_keeps_its_beginning_and_cancel_keeps_the_last_length(clock):
+    pacer = ArrivalPacer(fine=50e-6, coarse=1e-3, lead=0.75)
+    pacer.last = 0.04
+    pacer.start()
+    clock[0] += 0.01
+    pacer.start()  # called on every probe of one wait
+    clock[0] += 0.02
+    assert pacer.next() == 50e-6  # 30 ms of a 40 ms wait: fine from here
+    pacer.cancel()  # the waiter gave up: no arrival to learn from
+    assert pacer.last == 0.04 and pacer.t0 is None
+    assert pacer.next() == 50e-6
