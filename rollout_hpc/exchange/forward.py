@@ -105,11 +105,10 @@ class _Backoff:
     def __init__(self, first: float, cap: float):
         self.first, self.cap, self.delay = first, cap, first
 
-    def next(self, cap: float | None = None) -> float:
-        """The wait for this idle round; the next one doubles, up to `cap` (default: the constructor's)."""
-        cap = self.cap if cap is None else cap
-        delay = self.delay = min(self.delay, cap)
-        self.delay = min(delay * 2, cap)
+    def next(self) -> float:
+        """The wait for this idle round; the next one doubles, up to the cap."""
+        delay = self.delay
+        self.delay = min(delay * 2, self.cap)
         return delay
 
     def reset(self):

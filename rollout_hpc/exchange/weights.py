@@ -124,7 +124,7 @@ def _transfers(sizes: list[int], chunk: int) -> list[list[tuple[int, int, int]]]
 class WeightSync:
     """Collective constructor over the whole world (it duplicates the intercommunicator)."""
 
-    WAITING_POLL_S = 50e-6  # header probe interval while a generator is blocked in receive()
+    WAITING_POLL_S = 50e-6  # fine header probe interval while a generator waits in receive() (exchange/pacing.py)
 
     def __init__(self, world, cfg, poll_interval: float = 0.002):
         from mpi4py import MPI
@@ -231,8 +231,8 @@ class WeightSync:
                     if self._waiting:
                         pacer.start()
                         time.sleep(pacer.next())
-                    else:
-                        pacer.cancel()  # a slow probe may be long: receive() cuts it short, so a waiting rank probes at once
+                    else:  # a slow probe may be long: receive() cuts it short, so a waiting rank probes at once
+                        pacer.cancel()
                         self._wake.wait(self._poll_interval)
                         self._wake.clear()
                     continue
