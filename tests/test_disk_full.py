@@ -5,6 +5,7 @@ freed, `resume` continues exactly once. Real tmpfs file systems (mounted as root
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -36,10 +37,22 @@ def small_fs(tmp_path):
 
 
 def fill(mount: Path, leave: int) -> Path:
-    """A filler file that leaves `leave` bytes free."""
+    """A filler file that leaves `leave` bytes free (or none: a live run writing beside it can take the last of
+    the space between the measure and the write, which is a full file system all the same)."""
     filler = mount / "filler"
-    with open(filler, "ab") as f:
-        f.write(b"\0" * max(0, shutil.disk_usage(mount).free - leave))
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        todo = max(0, shutil.disk_usage(mount).free - leave)
+        chunk = b"\0" * (1 << 20)
+        while todo > 0:
+            try:
+                todo -= os.write(fd, chunk[: min(todo, len(chunk))])
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                break
+    finally:
+        os.close(fd)
     return filler
 
 
