@@ -37,6 +37,7 @@ def test_every_generator_gets_identical_weights(tmp_path, gen_nodes, gen_tasks, 
         assert g["closed"] is True
         assert g["held_v1_digest"] == sender["versions"][0]["digest"]  # version 1, still held, intact
         assert g["buffers_reused"] >= 1  # ... while dropped versions' buffers were reused
+        assert g["rings"] >= 1  # every rank runs on this host: the sender's doorbell rings reached the receiver
         assert [h["version"] for h in g["history"]] == list(range(1, versions + 1))
     # Consecutive versions differ (they are different weights), so identical digests are not vacuous.
     assert sender["versions"][0]["digest"]["embed"] != sender["versions"][1]["digest"]["embed"]

@@ -53,3 +53,33 @@ def test_start_during_a_wait_keeps_its_beginning_and_cancel_keeps_the_last_lengt
     pacer.cancel()  # the waiter gave up: no arrival to learn from
     assert pacer.last == 0.04 and pacer.t0 is None
     assert pacer.next() == 50e-6
+
+
+def test_a_wait_whose_message_came_with_a_ring_trusts_the_bell_until_one_comes_without(clock):
+    pacer = ArrivalPacer(fine=50e-6, coarse=1e-3, lead=0.75, trusted=5e-3, after_ring=2e-3)
+    pacer.last = 0.04
+    pacer.start()
+    clock[0] += 0.035
+    pacer.rung()  # the sender rang: fine probes for a moment, the message is there or about to be
+    assert pacer.next() == 50e-6
+    clock[0] += 0.0001
+    pacer.arrived()
+    assert pacer.bell_trusted
+    pacer.start()
+    clock[0] += 0.035  # past the last wait's 75 %: still the trusted sleep, the ring will end it
+    assert pacer.next() == 5e-3
+    pacer.rung()
+    assert pacer.next() == 50e-6
+    clock[0] += 0.003  # a ring with nothing behind it (a stray one): back to the trusted sleep
+    assert pacer.next() == 5e-3
+    clock[0] += 0.001
+    pacer.arrived()  # rung during this wait: still trusted
+    assert pacer.bell_trusted
+    pacer.start()
+    clock[0] += 0.01
+    pacer.arrived()  # no ring (a sender on another node): pace by the last wait again
+    assert not pacer.bell_trusted
+    pacer.start()
+    assert pacer.next() == 1e-3  # the last wait was 10 ms: coarse sleeps until 7.5 ms ...
+    clock[0] += 0.008
+    assert pacer.next() == 50e-6  # ... then fine probes

@@ -54,6 +54,7 @@ import time
 
 import numpy as np
 
+from rollout_hpc.exchange import doorbell
 from rollout_hpc.exchange.faults import fault_point
 from rollout_hpc.exchange.pacing import ArrivalPacer
 from rollout_hpc.trajectory import LayoutError, TrajectoryBatch
@@ -135,6 +136,14 @@ class Exchange:
         self.cfg = cfg
         self.source, self.dest = source, dest
         self.producer = world.role == source
+        # A dest node leader's receiver sleeps on a doorbell the source leaders ring as they send (a sender on the
+        # same host wakes it at once: exchange/doorbell.py); bound before the collective Dup, so before any ring.
+        # Elsewhere an Event: get() sets it, nobody waits on it.
+        self._wake: doorbell.Doorbell | threading.Event = (
+            doorbell.Doorbell(doorbell.bell_name(world.job_id, f"exp-{source}-{dest}", world.rank))
+            if not self.producer and world.is_node_leader
+            else threading.Event()
+        )
         self.comm = world.link(dest if self.producer else source).Dup()  # private matching context for DATA/ACK/END
         ring = _ring_module()
         self._RingTimeout, self._RingClosed = ring.RingTimeout, ring.RingClosed
@@ -166,7 +175,6 @@ class Exchange:
         self._worker = None
         # Trainers: set while this process waits in get(); the receiver then polls MPI at its fast cadence.
         self._hungry = threading.Event()
-        self._wake = threading.Event()  # cuts the receiver's current back-off short when a get() starts waiting
         if world.is_node_leader:
             self._worker = (_Forwarder if self.producer else _Receiver)(self)
             self._worker.start()
@@ -326,8 +334,16 @@ class Exchange:
             self.ring.close()
             _unlink_quietly(self.ring)
             self._raise_worker_error()
+        self._close_bells()
         self.comm.Free()
         return rest
+
+    def _close_bells(self) -> None:
+        if isinstance(self._wake, doorbell.Doorbell):
+            self._wake.close()
+        ringer = getattr(self._worker, "ringer", None)
+        if ringer is not None:
+            ringer.close()
 
     def _raise_worker_error(self) -> None:
         if self._worker is not None and self._worker.error is not None:
@@ -387,6 +403,12 @@ class _Forwarder(_Worker):
         super().__init__(ex)
         cfg, world = ex.cfg, ex.world
         self.dests = [r.group_rank for r in world.leaders(ex.dest)]
+        link = f"exp-{ex.source}-{ex.dest}"
+        self.ringer = (
+            doorbell.Ringer([doorbell.bell_name(world.job_id, link, r.rank) for r in world.leaders(ex.dest)])
+            if doorbell.enabled()
+            else None
+        )
         self.budget = max(1, cfg.exchange.max_inflight_bytes // len(world.leaders(ex.source)))
         self.tokens = np.zeros(len(self.dests), np.int64)  # tokens sent per trainer node
         self.batches = np.zeros(len(self.dests), np.int64)
@@ -458,7 +480,10 @@ class _Forwarder(_Worker):
 
     def _to_all_trainers(self, tag: int, payload: bytes):
         MPI = self.MPI
-        MPI.Request.Waitall([self.comm.Isend([payload, MPI.BYTE], dest=d, tag=tag) for d in self.dests])
+        reqs = [self.comm.Isend([payload, MPI.BYTE], dest=d, tag=tag) for d in self.dests]
+        if self.ringer is not None:
+            self.ringer.ring()
+        MPI.Request.Waitall(reqs)
 
     def _send(self, claim: _Claim):
         fault_point("forwarder")
@@ -472,6 +497,8 @@ class _Forwarder(_Worker):
         j = int(np.argmin(self.tokens))
         # Sent straight from shared memory; the record stays claimed until the send completes.
         req = self.comm.Isend([view, self.MPI.BYTE], dest=self.dests[j], tag=TAG_DATA)
+        if self.ringer is not None:
+            self.ringer.ring(j)
         self.sending.append((req, claim))
         self.tokens[j] += n_tokens
         self.batches[j] += 1
@@ -552,6 +579,7 @@ class _Receiver(_Worker):
         self.n_sources = len(ex.world.leaders(ex.source))
         self.ends = 0
         self.recv_bytes = self.recv_records = self.recv_msgs = 0
+        self.rings = 0  # sleeps a source leader's doorbell ring ended (exchange/doorbell.py)
         self.acks: list[tuple] = []
         self.status = self.MPI.Status()
 
@@ -559,6 +587,7 @@ class _Receiver(_Worker):
         MPI, ring, backoff = self.MPI, self.ex.ring, _Backoff(*_RECV_POLL_IDLE)
         pacer = ArrivalPacer(*_RECV_POLL_HUNGRY)
         hungry, wake = self.ex._hungry, self.ex._wake
+        assert isinstance(wake, doorbell.Doorbell)  # a dest node leader's
         while self.ends < self.n_sources:
             self.acks = [(r, b) for r, b in self.acks if not r.Test()]
             msg = self.comm.Improbe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=self.status)
@@ -572,9 +601,12 @@ class _Receiver(_Worker):
                 else:
                     pacer.cancel()
                     delay = backoff.next()
-                if wake.wait(delay):
-                    wake.clear()
+                woken, rung = wake.wait(delay)  # a get() that starts waiting, or a source leader's ring
+                if woken:
                     backoff.reset()
+                self.rings += rung
+                if rung and hungry.is_set():
+                    pacer.rung()
                 continue
             if hungry.is_set():
                 pacer.arrived()
@@ -636,4 +668,5 @@ class _Receiver(_Worker):
             "received_records": self.recv_records,
             "ends": self.ends,
             "generator_nodes": self.n_sources,
+            "rings": self.rings,
         }

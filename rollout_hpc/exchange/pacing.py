@@ -9,6 +9,11 @@ switches a step on the quickstart's colocated run (2 cores; the plain loop: 3).
 Phases repeat, so a message comes about as long after a wait starts as it did last time: the pacer sleeps coarsely
 until most of the last wait has passed, then probes finely. The first wait, and any message later than expected,
 gets fine probes (the latency of today's polling); a message that comes early waits at most one coarse sleep.
+
+Where the sender shares the host, it rings the waiter's doorbell (exchange/doorbell.py) as it sends: a wait whose
+message came with a ring trusts the bell next time and sleeps `trusted` between probes throughout (the ring ends the
+sleep), with fine probes for `after_ring` after each ring; a message that comes without one (a sender on another
+node) turns pacing by the last wait back on.
 """
 
 from __future__ import annotations
@@ -20,26 +25,46 @@ class ArrivalPacer:
     """pacer.start() when a wait begins, pacer.next() -> seconds to sleep before the next probe, pacer.arrived() when
     the message came (its wait's length paces the next wait)."""
 
-    def __init__(self, fine: float = 50e-6, coarse: float = 1e-3, lead: float = 0.75):
-        self.fine, self.coarse, self.lead = fine, coarse, lead
+    def __init__(
+        self,
+        fine: float = 50e-6,
+        coarse: float = 1e-3,
+        lead: float = 0.75,
+        trusted: float = 5e-3,
+        after_ring: float = 2e-3,
+    ):
+        self.fine, self.coarse, self.lead, self.trusted, self.after_ring = fine, coarse, lead, trusted, after_ring
         self.last = 0.0  # length of the last completed wait (0: none yet, probe finely)
         self.t0: float | None = None
+        self.bell_trusted = False  # the last wait's message came with a doorbell ring
+        self.rung_at: float | None = None  # when this wait's latest ring came
 
     def start(self) -> None:
         if self.t0 is None:
-            self.t0 = time.monotonic()
+            self.t0, self.rung_at = time.monotonic(), None
 
     def next(self) -> float:
         if self.t0 is None:
             return self.fine
-        early = self.lead * self.last - (time.monotonic() - self.t0)  # until most of the last wait has passed
+        now = time.monotonic()
+        if self.rung_at is not None and now - self.rung_at < self.after_ring:
+            return self.fine  # rung: the message is there or about to be
+        if self.bell_trusted:
+            return self.trusted
+        early = self.lead * self.last - (now - self.t0)  # until most of the last wait has passed
         return min(self.coarse, early) if early > self.fine else self.fine
+
+    def rung(self) -> None:
+        """A sender rang this waiter's doorbell (during a wait: a ring between waits paces nothing)."""
+        if self.t0 is not None:
+            self.rung_at = time.monotonic()
 
     def arrived(self) -> None:
         if self.t0 is not None:
             self.last = time.monotonic() - self.t0
             self.t0 = None
+            self.bell_trusted, self.rung_at = self.rung_at is not None, None
 
     def cancel(self) -> None:
         """The wait ended without the message (the waiter gave up): keep the last length."""
-        self.t0 = None
+        self.t0, self.rung_at = None, None

@@ -10,9 +10,10 @@ never pickled: a large tensor straight from its memory, small ones packed
 together into one broadcast (`_transfers`).
 
 On each generator a receiver thread waits for headers (a probe with a short
-sleep, so an idle generator does not spin a core; 50 us while the generator is
-blocked in `receive()`, because then the trainer's broadcast waits on that
-sleep), takes part in the broadcast
+sleep, so an idle generator does not spin a core; paced probes while the
+generator is blocked in `receive()`, because then the trainer's broadcast waits
+on that sleep; a sender on the same host rings the thread's doorbell, which ends
+the sleep: exchange/pacing.py, exchange/doorbell.py), takes part in the broadcast
 and keeps the newest version (receive buffers are reused once nothing handed
 out views them any more). So the trainer's publish never waits for a
 generator to finish its current batch, and generators pick weights up between
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rollout_hpc.exchange import doorbell
 from rollout_hpc.exchange.faults import fault_point
 from rollout_hpc.exchange.pacing import ArrivalPacer
 from rollout_hpc.trajectory import TrajectoryBatch
@@ -131,7 +133,20 @@ class WeightSync:
 
         self._MPI = MPI
         self.world = world
+        # Each generator's receiver sleeps on a doorbell that trainer group rank 0 rings as it sends a header (a
+        # sender on the same host wakes it at once; exchange/doorbell.py). Bound before the collective Dup below,
+        # so no ring can come before it.
+        self._bell = (
+            doorbell.Doorbell(doorbell.bell_name(world.job_id, "weights", world.rank)) if world.is_generator else None
+        )
         self.comm = world.inter_comm.Dup()  # private matching context: no clash with other intercomm traffic
+        self._ringer = (
+            doorbell.Ringer(
+                [doorbell.bell_name(world.job_id, "weights", r.rank) for r in world.ranks if r.role == "generator"]
+            )
+            if world.is_trainer and world.group_rank == 0 and doorbell.enabled()
+            else None
+        )
         self.chunk_bytes = min(cfg.exchange.weight_chunk_bytes, _MAX_MPI_COUNT)
         self.history: list[dict] = []  # one stats dict per version sent or received
         self._poll_interval = poll_interval
@@ -141,13 +156,13 @@ class WeightSync:
         self.meta: dict | None = None  # the `meta` published with the version poll()/receive() last handed out
         self._taken = -1  # newest version handed out by poll()/receive()
         self._waiting = 0  # generator threads blocked in receive()
-        self._wake = threading.Event()  # set by receive(): the receiver thread stops its slow wait and probes
         self._closed = False
         self._error: BaseException | None = None
         self._stop_thread = False
         self._thread = None
         self._buffers: list[np.ndarray] = []  # receive buffers, reused once no tensors view them
         self.buffers_reused = 0
+        self.rings = 0  # sleeps of the receiver thread a trainer's doorbell ring ended (exchange/doorbell.py)
         self._staging = np.empty(0, np.uint8)  # the sender packs small tensors here (one broadcast for many)
         if world.is_generator:
             self._thread = threading.Thread(target=self._receive_loop, name="weight-sync", daemon=True)
@@ -179,6 +194,8 @@ class WeightSync:
         )
         blob = header.to_json()
         reqs = [self.comm.Isend([blob, MPI.BYTE], dest=g, tag=_TAG_HEADER) for g in range(self.comm.Get_remote_size())]
+        if self._ringer is not None:
+            self._ringer.ring()
         flat = [a.reshape(-1).view(np.uint8) for a in arrays]
         transfers = _transfers([a.nbytes for a in arrays], self.chunk_bytes)
         self.world.group_comm.bcast(len(transfers), root=0)
@@ -214,9 +231,13 @@ class WeightSync:
                 self.publish(-1, {}, _stop=True)
         else:
             self._stop_thread = True
-            self._wake.set()
+            assert self._bell is not None
+            self._bell.set()
             if self._thread is not None:
                 self._thread.join()
+            self._bell.close()
+        if self._ringer is not None:
+            self._ringer.close()
         self.comm.Free()
 
     # --- generator side ------------------------------------------------------
@@ -225,16 +246,20 @@ class WeightSync:
         status = MPI.Status()
         # While a generator waits in receive(): probes paced by how long the last wait took (exchange/pacing.py)
         pacer = ArrivalPacer(fine=self.WAITING_POLL_S)
+        bell = self._bell
+        assert bell is not None
         try:
             while not self._stop_thread:
                 if not self.comm.Iprobe(source=0, tag=_TAG_HEADER, status=status):
                     if self._waiting:
                         pacer.start()
-                        time.sleep(pacer.next())
-                    else:  # a slow probe may be long: receive() cuts it short, so a waiting rank probes at once
+                        rung = bell.wait(pacer.next())[1]
+                        if rung:
+                            pacer.rung()
+                    else:  # a slow probe may be long: receive() and a trainer's ring cut it short
                         pacer.cancel()
-                        self._wake.wait(self._poll_interval)
-                        self._wake.clear()
+                        rung = bell.wait(self._poll_interval)[1]
+                    self.rings += rung
                     continue
                 if self._waiting:
                     pacer.arrived()
@@ -313,7 +338,8 @@ class WeightSync:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             self._waiting += 1
-            self._wake.set()
+            assert self._bell is not None
+            self._bell.set()
             try:
                 while True:
                     got = self._take(min_version)

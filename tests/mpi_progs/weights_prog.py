@@ -61,6 +61,7 @@ else:
         out["closed"] = True
     out["history"] = ws.history
     out["buffers_reused"] = ws.buffers_reused
+    out["rings"] = ws.rings
     ws.close()
 (run_dir / f"weights-{w.rank}.json").write_text(json.dumps(out))
 free_world(w)
