@@ -55,31 +55,42 @@ def test_start_during_a_wait_keeps_its_beginning_and_cancel_keeps_the_last_lengt
     assert pacer.next() == 50e-6
 
 
-def test_a_wait_whose_message_came_with_a_ring_trusts_the_bell_until_one_comes_without(clock):
-    pacer = ArrivalPacer(fine=50e-6, coarse=1e-3, lead=0.75, trusted=5e-3, after_ring=2e-3)
+def test_once_a_message_came_after_a_ring_the_bell_is_trusted_until_one_comes_without(clock):
+    pacer = ArrivalPacer(fine=50e-6, coarse=1e-3, lead=0.75, trusted=20e-3, after_ring=2e-3)
     pacer.last = 0.04
+    assert pacer.idle(2e-3) == 2e-3  # no ring seen yet: the caller's idle back-off
     pacer.start()
     clock[0] += 0.035
-    pacer.rung()  # the sender rang: fine probes for a moment, the message is there or about to be
+    pacer.rung()  # the sender rang (just before its send): fine probes for a moment
     assert pacer.next() == 50e-6
     clock[0] += 0.0001
     pacer.arrived()
     assert pacer.bell_trusted
+    assert pacer.idle(2e-3) == 20e-3  # nobody waits: long sleeps, a ring ends them
     pacer.start()
-    clock[0] += 0.035  # past the last wait's 75 %: still the trusted sleep, the ring will end it
-    assert pacer.next() == 5e-3
+    clock[0] += 0.035  # past the last wait's 75 %: still the trusted sleep
+    assert pacer.next() == 20e-3
     pacer.rung()
-    assert pacer.next() == 50e-6
+    assert pacer.next() == 50e-6 and pacer.idle(2e-3) == 50e-6
     clock[0] += 0.003  # a ring with nothing behind it (a stray one): back to the trusted sleep
-    assert pacer.next() == 5e-3
+    assert pacer.next() == 20e-3
     clock[0] += 0.001
-    pacer.arrived()  # rung during this wait: still trusted
+    pacer.arrived()  # rung since the last message: still trusted
     assert pacer.bell_trusted
     pacer.start()
     clock[0] += 0.01
-    pacer.arrived()  # no ring (a sender on another node): pace by the last wait again
-    assert not pacer.bell_trusted
+    pacer.arrived()  # no ring before it (a sender on another node): pace by the last wait again
+    assert not pacer.bell_trusted and pacer.idle(2e-3) == 2e-3
     pacer.start()
     assert pacer.next() == 1e-3  # the last wait was 10 ms: coarse sleeps until 7.5 ms ...
     clock[0] += 0.008
     assert pacer.next() == 50e-6  # ... then fine probes
+
+
+def test_a_message_between_waits_counts_for_trust_but_not_for_the_wait_length(clock):
+    pacer = ArrivalPacer(fine=50e-6, coarse=1e-3, lead=0.75, trusted=20e-3, after_ring=2e-3)
+    pacer.last = 0.04
+    pacer.rung()
+    clock[0] += 0.5
+    pacer.arrived()  # nobody waited for it
+    assert pacer.bell_trusted and pacer.last == 0.04

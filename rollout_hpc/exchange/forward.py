@@ -480,10 +480,9 @@ class _Forwarder(_Worker):
 
     def _to_all_trainers(self, tag: int, payload: bytes):
         MPI = self.MPI
-        reqs = [self.comm.Isend([payload, MPI.BYTE], dest=d, tag=tag) for d in self.dests]
-        if self.ringer is not None:
+        if self.ringer is not None:  # before the send: a ring that comes after the message misleads the pacer
             self.ringer.ring()
-        MPI.Request.Waitall(reqs)
+        MPI.Request.Waitall([self.comm.Isend([payload, MPI.BYTE], dest=d, tag=tag) for d in self.dests])
 
     def _send(self, claim: _Claim):
         fault_point("forwarder")
@@ -496,9 +495,9 @@ class _Forwarder(_Worker):
             ) from None
         j = int(np.argmin(self.tokens))
         # Sent straight from shared memory; the record stays claimed until the send completes.
-        req = self.comm.Isend([view, self.MPI.BYTE], dest=self.dests[j], tag=TAG_DATA)
-        if self.ringer is not None:
+        if self.ringer is not None:  # before the send (exchange/pacing.py)
             self.ringer.ring(j)
+        req = self.comm.Isend([view, self.MPI.BYTE], dest=self.dests[j], tag=TAG_DATA)
         self.sending.append((req, claim))
         self.tokens[j] += n_tokens
         self.batches[j] += 1
@@ -600,16 +599,15 @@ class _Receiver(_Worker):
                     delay = pacer.next()
                 else:
                     pacer.cancel()
-                    delay = backoff.next()
+                    delay = pacer.idle(backoff.next())
                 woken, rung = wake.wait(delay)  # a get() that starts waiting, or a source leader's ring
                 if woken:
                     backoff.reset()
-                self.rings += rung
-                if rung and hungry.is_set():
+                if rung:
+                    self.rings += 1
                     pacer.rung()
                 continue
-            if hungry.is_set():
-                pacer.arrived()
+            pacer.arrived()
             backoff.reset()
             source, tag, count = self.status.Get_source(), self.status.Get_tag(), self.status.Get_count(MPI.BYTE)
             if tag == TAG_DATA:

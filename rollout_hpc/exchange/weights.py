@@ -193,9 +193,9 @@ class WeightSync:
             meta=meta,
         )
         blob = header.to_json()
-        reqs = [self.comm.Isend([blob, MPI.BYTE], dest=g, tag=_TAG_HEADER) for g in range(self.comm.Get_remote_size())]
-        if self._ringer is not None:
+        if self._ringer is not None:  # before the send: a ring that comes after the header misleads the pacer
             self._ringer.ring()
+        reqs = [self.comm.Isend([blob, MPI.BYTE], dest=g, tag=_TAG_HEADER) for g in range(self.comm.Get_remote_size())]
         flat = [a.reshape(-1).view(np.uint8) for a in arrays]
         transfers = _transfers([a.nbytes for a in arrays], self.chunk_bytes)
         self.world.group_comm.bcast(len(transfers), root=0)
@@ -253,16 +253,15 @@ class WeightSync:
                 if not self.comm.Iprobe(source=0, tag=_TAG_HEADER, status=status):
                     if self._waiting:
                         pacer.start()
-                        rung = bell.wait(pacer.next())[1]
-                        if rung:
-                            pacer.rung()
+                        delay = pacer.next()
                     else:  # a slow probe may be long: receive() and a trainer's ring cut it short
                         pacer.cancel()
-                        rung = bell.wait(self._poll_interval)[1]
-                    self.rings += rung
+                        delay = pacer.idle(self._poll_interval)
+                    if bell.wait(delay)[1]:
+                        self.rings += 1
+                        pacer.rung()
                     continue
-                if self._waiting:
-                    pacer.arrived()
+                pacer.arrived()
                 blob = bytearray(status.Get_count(MPI.BYTE))
                 self.comm.Recv([blob, MPI.BYTE], source=0, tag=_TAG_HEADER)
                 header = _Header.from_json(blob)
