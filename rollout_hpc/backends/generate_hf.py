@@ -119,12 +119,20 @@ def _prefix_cache(prefixes, held: list[int], device):
     """(mask [n, C], per layer (keys, values) [n, heads, C, dim]) holding each row's `held` prefix tokens.
 
     The common case, every row's whole prefix from one earlier call (an episode's turns): that call's cache rows
-    as they are, padding columns and all (one row selection a layer). Else each row's first `held` tokens gathered
+    as they are, padding columns and all (the same tensors when every row of that call comes back in its order, else
+    one row selection a layer; the cache's update concatenates into new tensors, so they are never written). Else each row's first `held` tokens gathered
     right-aligned at C = max(held) (a reply cut at a stop string, episodes from different calls)."""
     users = [i for i, c in enumerate(held) if c]
     first = prefixes[users[0]]
     n = len(prefixes)
     whole = all(prefixes[i].source is first.source and held[i] == len(prefixes[i].ids) for i in users)
+    if whole and len(users) == n:
+        rows_l = [prefixes[i].row for i in users]
+        mask = torch.stack([prefixes[i].mask for i in users])
+        if rows_l == list(range(first.source[0][0].shape[0])):
+            return mask, list(first.source)  # that call's rows in its order: its cache as it is (nothing copies it)
+        rows = torch.tensor(rows_l, device=device)  # some episodes ended: one gather a layer
+        return mask, [(sk.index_select(0, rows), sv.index_select(0, rows)) for sk, sv in first.source]
     if whole:
         C = first.mask.shape[0]
         mask = torch.zeros((n, C), dtype=torch.bool, device=device)
