@@ -73,6 +73,7 @@ def submit(
     model: str = "{hidden_size: 32, num_layers: 2, num_heads: 2, max_seq_len: 32}",
     steps: int = 3,
     timeout: float = 300,
+    batch: str = "prompts_per_step: 4, group_size: 4",
 ) -> Path:
     """A real run of `steps` steps, a checkpoint after every step; returns its run directory."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -82,7 +83,7 @@ run: {{name: {name}, seed: 0}}
 launcher: local
 model: {model}
 task: {{name: arithmetic, params: {{max_operand: 4, ops: "+"}}}}
-algorithm: {{steps: {steps}, prompts_per_step: 4, group_size: 4, max_new_tokens: 1, lr: 0.01}}
+algorithm: {{steps: {steps}, {batch}, max_new_tokens: 1, lr: 0.01}}
 checkpoint: {{every_steps: 1, keep_last: 3}}
 {extra}""")
     run_dir = directory / "run"

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from rollout_hpc.backends.generate_hf import SamplingParams, generate
+from rollout_hpc.backends.generate_hf import RowStreams, SamplingParams, generate
 from rollout_hpc.config import ModelSection
 from rollout_hpc.models import CharTokenizer, build_model
 
@@ -54,10 +54,10 @@ def compactions(monkeypatch) -> list[int]:
 
 
 def run(model, prompts, params, compact: bool, log: list[int], generator="rows", seed: int = 0, **kw):
-    """(Generation, rows kept by each compaction): with generator 'rows' one torch.Generator per row (as
+    """(Generation, rows kept by each compaction): with generator 'rows' one random stream per row (as
     HFGenerator builds them)."""
     if generator == "rows":
-        generator = [torch.Generator().manual_seed(seed + i) for i in range(len(prompts))]
+        generator = RowStreams([seed + i for i in range(len(prompts))])
     before = len(log)
     out = generate(model, prompts, params, TOK.pad_id, generator, compact=compact, **kw)
     return out, log[before:]
@@ -95,7 +95,7 @@ def test_rows_keep_their_own_lengths_and_tokens(long_tailed, compactions):
         assert trunc == (r[-1] != TOK.eos_id) and (not trunc or len(r) == 40)
     # a row sampled alone (its own generator, no other rows) gets the same tokens
     for i in (0, 5, 11, 23):
-        alone = generate(long_tailed, [prompts[i]], params, TOK.pad_id, [torch.Generator().manual_seed(7 + i)])
+        alone = generate(long_tailed, [prompts[i]], params, TOK.pad_id, RowStreams([7 + i]))
         assert alone.response_ids[0] == out.response_ids[i]
 
 

@@ -238,3 +238,23 @@ def test_vllm_generates_like_the_sampler(model):
     )
     batch = gen.rollout(task.prompts(0), [0, 1], 2, 0, 0)
     assert len(TrajectoryBatch.unpack(batch.pack())) == 4
+
+
+def test_the_sampler_draws_from_the_distribution_and_never_outside_the_nucleus():
+    from rollout_hpc.backends.generate_hf import RowStreams, _sample, sampling_logprobs
+
+    torch.manual_seed(0)
+    logits = torch.randn(1, 12) * 2
+    rows = 40_000
+    for top_p in (1.0, 0.7):
+        logp = sampling_logprobs(logits.expand(rows, -1), 1.0, top_p)
+        tokens = _sample(logp, RowStreams(range(rows)))  # one draw from each of 40,000 streams
+        freq = torch.bincount(tokens, minlength=12).double() / rows
+        p = logp[0].exp().double()
+        assert torch.all(freq[p == 0] == 0)  # outside the nucleus: never
+        assert torch.allclose(freq, p, atol=4 * (0.25 / rows) ** 0.5)  # 4 standard errors at worst
+    both, alone = RowStreams([5, 6]), RowStreams([6])
+    for _ in range(3):
+        assert both.uniform()[1].item() == alone.uniform().item()  # a row's stream ignores the other rows
+    kept = both.select(torch.tensor([1]))
+    assert kept.uniform().item() == alone.uniform().item()  # a selected row keeps its place in its stream

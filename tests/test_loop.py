@@ -257,8 +257,12 @@ def test_dapo_refills_dropped_groups_the_same_on_any_generator_count_and_across_
 @pytest.mark.parametrize("algo", ["grpo", "rloo"])
 def test_kl_to_the_reference_policy(tmp_path, algo):
     # grpo puts kl_coef x KL in the loss, rloo subtracts it from the reward: both need the frozen reference.
+    # 128 samples a step: the random model answers right about once in 90, and the policy moves away from the
+    # reference only once a step's rewards do not all tie.
+    batch = ["algorithm.prompts_per_step=16", "algorithm.group_size=8"]
     _, res = run_loop(
-        tmp_path, ["algorithm.steps=4", f"algorithm.name={algo}", "algorithm.kl_coef=0.1", "algorithm.lr=0.01"]
+        tmp_path,
+        ["algorithm.steps=4", f"algorithm.name={algo}", "algorithm.kl_coef=0.1", "algorithm.lr=0.01", *batch],
     )
     assert res.returncode == 0, res.stderr[-4000:]
     kl = [m["kl"] for m in read_metrics(tmp_path / "trajectories.h5")]

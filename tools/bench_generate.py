@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from bench_agentic import spread  # noqa: E402 - the same median/min/max summary (tools/ is the script's directory)
 
-from rollout_hpc.backends.generate_hf import SamplingParams, generate  # noqa: E402
+from rollout_hpc.backends.generate_hf import RowStreams, SamplingParams, generate  # noqa: E402
 from rollout_hpc.config import ModelSection  # noqa: E402
 from rollout_hpc.models import CharTokenizer, build_model  # noqa: E402
 from rollout_hpc.models.logprobs import left_pad  # noqa: E402
@@ -70,8 +70,7 @@ def make_prompts(tok, n: int, samples: int) -> list[list[int]]:
 def ours(model, prompts, seeds, params, pad_id, compact: bool):
     """(seconds, response tokens, responses) of our loop, with per-row generators as HFGenerator.generate builds."""
     t0 = time.perf_counter()
-    gens = [torch.Generator().manual_seed(s) for s in seeds]
-    out = generate(model, prompts, params, pad_id, gens, compact=compact)
+    out = generate(model, prompts, params, pad_id, RowStreams(seeds), compact=compact)
     seconds = time.perf_counter() - t0
     return seconds, sum(len(r) for r in out.response_ids), out
 

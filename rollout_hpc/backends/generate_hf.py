@@ -8,8 +8,10 @@ i.e. exactly the distribution the token was drawn from. With top_p = 1 this equa
 trainer's teacher-forced log-softmax(logits / temperature); with top_p < 1 tokens inside
 the nucleus get a slightly higher log-probability than the unfiltered distribution gives.
 
-Sampling uses the Gumbel-max trick with uniforms from a CPU torch.Generator, so a seed
-gives the same tokens whichever device holds the model (up to the logits themselves).
+Sampling is by inverse CDF: one uniform per row and token, from the row's own counter-based stream (RowStreams:
+splitmix64 of the row's seed and its draw count, computed for all rows in one tensor op), so a row's tokens do not
+depend on the rest of its batch, and a seed gives the same tokens whichever device holds the model (up to the
+logits themselves).
 
 Single-turn calls drop finished rows from the batch (and their keys and values) as they go, so a batch whose
 answers are mostly short pays for its few long ones only on their rows; with one generator per row this samples
@@ -48,6 +50,7 @@ __all__ = [
     "Generation",
     "Generator",
     "HFGenerator",
+    "RowStreams",
     "SamplingParams",
     "cut_at_stop_strings",
     "derive_seed",
@@ -73,15 +76,59 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) ->
     return logp
 
 
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's constants
+
+
+def _i64(x: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits (torch has no uint64 arithmetic)."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> on int64 keeps the sign)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+class RowStreams:
+    """One random stream per batch row: draw k of the row with seed s is splitmix64's k-th output for s, in [0, 1).
+    Counter-based, so all rows draw in one tensor op and a row's draws never depend on the others; `select` keeps
+    some rows (with their counts) when a batch drops finished ones."""
+
+    def __init__(self, seeds, counts: torch.Tensor | None = None) -> None:
+        self.seeds = (
+            torch.as_tensor([_i64(int(s) % (1 << 64)) for s in seeds], dtype=torch.int64)
+            if not isinstance(seeds, torch.Tensor)
+            else seeds
+        )
+        self.counts = torch.zeros_like(self.seeds) if counts is None else counts
+
+    def __len__(self) -> int:
+        return len(self.seeds)
+
+    def uniform(self) -> torch.Tensor:
+        """The next draw of every row, float64 [rows]; advances each row's count."""
+        self.counts = self.counts + 1
+        z = self.seeds + self.counts * _i64(_GOLDEN)  # int64 arithmetic wraps: splitmix64's state, mod 2^64
+        z = (z ^ _shr(z, 30)) * _i64(_MIX1)
+        z = (z ^ _shr(z, 27)) * _i64(_MIX2)
+        z = z ^ _shr(z, 31)
+        return _shr(z, 11).to(torch.float64) * (1.0 / (1 << 53))
+
+    def select(self, rows: torch.Tensor) -> RowStreams:
+        return RowStreams(self.seeds[rows], self.counts[rows])
+
+
 def _sample(logp: torch.Tensor, generator) -> torch.Tensor:
-    """Gumbel-max: argmax(logp + Gumbel noise) is a draw from softmax(logp). `generator` is one
-    torch.Generator for the batch or one per row (then a row's draw ignores the rest of the batch)."""
-    if isinstance(generator, (list, tuple)):
-        u = torch.stack([torch.rand(logp.shape[-1], generator=g, dtype=torch.float64) for g in generator])
+    """Inverse CDF: the first token whose cumulative probability exceeds the row's uniform (tokens of probability 0,
+    outside a top-p nucleus, are never drawn). `generator`: RowStreams (one stream per row: a row's draw ignores the
+    rest of the batch) or one torch.Generator for the batch."""
+    if isinstance(generator, RowStreams):
+        u = generator.uniform()
     else:
-        u = torch.rand(logp.shape, generator=generator, dtype=torch.float64)
-    gumbel = -torch.log(-torch.log(u.clamp_(1e-300, 1.0)))
-    return torch.argmax(logp + gumbel.to(device=logp.device, dtype=logp.dtype), dim=-1)
+        u = torch.rand(logp.shape[0], generator=generator, dtype=torch.float64)
+    cdf = torch.cumsum(torch.softmax(logp.double(), dim=-1), dim=-1)
+    token = torch.searchsorted(cdf, (u * cdf[:, -1]).to(cdf.device)[:, None], right=True)[:, 0]
+    return token.clamp_(max=logp.shape[-1] - 1)
 
 
 def _cache_kwarg(model) -> str:
@@ -211,7 +258,7 @@ def generate(
     prompts: Sequence[Sequence[int]],
     params: SamplingParams,
     pad_id: int,
-    generator: torch.Generator | Sequence[torch.Generator] | None = None,
+    generator: torch.Generator | RowStreams | None = None,
     stop_text: Callable[[list[int]], str] | None = None,
     prefixes: Sequence[CachedPrefix | None] | None = None,
     compact: bool = True,
@@ -247,8 +294,8 @@ def generate(
     # Finished rows leave the batch (their keys and values too) once enough have finished, so a long-tailed batch
     # does not pay full-batch steps for its longest answers. Not with prefixes (the next turn reuses the whole
     # cache), nor with one generator for the batch: its draws depend on the batch shape, per-row ones do not.
-    compact = compact and prefixes is None and (params.greedy or isinstance(generator, (list, tuple)))
-    gens = list(generator) if isinstance(generator, (list, tuple)) else generator
+    compact = compact and prefixes is None and (params.greedy or isinstance(generator, RowStreams))
+    gens = generator
     rows = torch.arange(n, device=device)  # batch row -> row of the result (the identity until a compaction)
     finished = torch.zeros(n, dtype=torch.bool, device=device)  # per batch row
 
@@ -301,8 +348,8 @@ def generate(
             past.reorder_cache(keep)
             rows, finished, attn = rows[keep], finished[keep], attn[keep]
             step_ids, step_pos = step_ids[keep], step_pos[keep]
-            if isinstance(gens, list):
-                gens = [gens[i] for i in keep.tolist()]
+            if isinstance(gens, RowStreams):
+                gens = gens.select(keep)
 
     lengths_l, ids_l, lp_l = lengths.tolist(), out_ids.tolist(), out_lp.tolist()
     responses = [ids_l[i][: lengths_l[i]] for i in range(n)]
@@ -350,7 +397,7 @@ class HFGenerator(Generator):
         watch=None,
     ) -> Generation:
         params = params or self.sampling
-        generators = [torch.Generator().manual_seed(s) for s in seeds]
+        generators = RowStreams(seeds)
         prefixes = None
         if cache_keys is not None:  # rows whose earlier calls' keys and values are kept (episodes); others are dropped
             prefixes = [self._prefixes.get(k) for k in cache_keys]
