@@ -11,7 +11,7 @@ import torch
 from tiny_hf import make_tiny_qwen
 from transformers import AutoTokenizer
 
-from rollout_hpc.backends.generate_hf import Generation, SamplingParams, cut_at_stop_strings, generate
+from rollout_hpc.backends.generate_hf import Generation, RowStreams, SamplingParams, cut_at_stop_strings, generate
 from rollout_hpc.config import AlgorithmSection, ModelSection, TaskSection
 from rollout_hpc.envs import load_task
 from rollout_hpc.envs.base import Prompt
@@ -126,20 +126,18 @@ def test_stop_strings_and_greedy_in_the_sampling_loop():
         prompts,
         SamplingParams(max_new_tokens=12, stop_ids=(tok.eos_id,)),
         tok.pad_id,
-        [torch.Generator().manual_seed(s) for s in range(3)],
+        RowStreams(range(3)),
     )
     # pick a character the free run produced and make it a stop string: the response must end right after it
     target = next(c for ids in free.response_ids for c in tok.decode(ids) if c.strip())
     params = SamplingParams(max_new_tokens=12, stop_ids=(tok.eos_id,), stop=(target,))
-    stopped = generate(
-        model, prompts, params, tok.pad_id, [torch.Generator().manual_seed(s) for s in range(3)], stop_text=tok.decode
-    )
+    stopped = generate(model, prompts, params, tok.pad_id, RowStreams(range(3)), stop_text=tok.decode)
     for full, cut in zip(free.response_ids, stopped.response_ids):
         text = tok.decode(full)
         if target in text:
             assert tok.decode(cut).endswith(target) and target not in tok.decode(cut)[:-1]
     greedy = SamplingParams(max_new_tokens=5, greedy=True)
-    a = generate(model, prompts, greedy, tok.pad_id, [torch.Generator().manual_seed(s) for s in range(3)])
+    a = generate(model, prompts, greedy, tok.pad_id, RowStreams(range(3)))
     assert a.response_ids[0] == a.response_ids[1] == a.response_ids[2]  # argmax: seeds do not matter
     logits = model(torch.tensor([prompts[0]])).logits[0, -1]
     assert a.response_ids[0][0] == int(logits.argmax())

@@ -278,6 +278,8 @@ def generate(
         return Generation([], [], [])
     if params.stop and stop_text is None:
         raise ValueError("stop strings need stop_text (the tokenizer's decode)")
+    if isinstance(generator, (list, tuple)):
+        raise TypeError("one random stream per row is RowStreams(seeds), not a list of generators")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (start prompts with the tokenizer's BOS)")
     device = next(model.parameters()).device
