@@ -75,3 +75,17 @@ def test_ringing_nobody_is_no_error_and_is_not_retried():
     finally:
         ringer.close()
         bell.close()
+
+
+def test_rollout_doorbell_0_turns_the_rings_off(monkeypatch):
+    bell = Doorbell(_name("off"))
+    monkeypatch.setenv("ROLLOUT_DOORBELL", "0")
+    ringer = Ringer([_name("off")])
+    try:
+        ringer.ring()
+        assert bell.wait(0.01) == (False, False)  # the waiter keeps its probe timing alone
+        bell.set()
+        assert bell.wait(1) == (True, False)  # its own process still wakes it
+    finally:
+        ringer.close()
+        bell.close()

@@ -95,15 +95,10 @@ class RowStreams:
     some rows (with their counts) when a batch drops finished ones."""
 
     def __init__(self, seeds, counts: torch.Tensor | None = None) -> None:
-        self.seeds = (
-            torch.as_tensor([_i64(int(s) % (1 << 64)) for s in seeds], dtype=torch.int64)
-            if not isinstance(seeds, torch.Tensor)
-            else seeds
-        )
-        self.counts = torch.zeros_like(self.seeds) if counts is None else counts
-
-    def __len__(self) -> int:
-        return len(self.seeds)
+        if not isinstance(seeds, torch.Tensor):
+            seeds = torch.as_tensor([_i64(int(s) % (1 << 64)) for s in seeds], dtype=torch.int64)
+        self.seeds = seeds
+        self.counts = torch.zeros_like(seeds) if counts is None else counts
 
     def uniform(self) -> torch.Tensor:
         """The next draw of every row, float64 [rows]; advances each row's count."""
@@ -127,7 +122,7 @@ def _sample(logp: torch.Tensor, generator) -> torch.Tensor:
     else:
         u = torch.rand(logp.shape[0], generator=generator, dtype=torch.float64)
     cdf = torch.cumsum(torch.softmax(logp.double(), dim=-1), dim=-1)
-    token = torch.searchsorted(cdf, (u * cdf[:, -1]).to(cdf.device)[:, None], right=True)[:, 0]
+    token = torch.searchsorted(cdf, (u.to(cdf.device) * cdf[:, -1])[:, None], right=True)[:, 0]
     return token.clamp_(max=logp.shape[-1] - 1)
 
 
@@ -167,8 +162,9 @@ def _prefix_cache(prefixes, held: list[int], device):
 
     The common case, every row's whole prefix from one earlier call (an episode's turns): that call's cache rows
     as they are, padding columns and all (the same tensors when every row of that call comes back in its order, else
-    one row selection a layer; the cache's update concatenates into new tensors, so they are never written). Else each row's first `held` tokens gathered
-    right-aligned at C = max(held) (a reply cut at a stop string, episodes from different calls)."""
+    one row selection a layer; the cache's update concatenates into new tensors, so they are never written). Else
+    each row's first `held` tokens gathered right-aligned at C = max(held) (a reply cut at a stop string, episodes
+    from different calls)."""
     users = [i for i, c in enumerate(held) if c]
     first = prefixes[users[0]]
     n = len(prefixes)
@@ -297,7 +293,6 @@ def generate(
     # does not pay full-batch steps for its longest answers. Not with prefixes (the next turn reuses the whole
     # cache), nor with one generator for the batch: its draws depend on the batch shape, per-row ones do not.
     compact = compact and prefixes is None and (params.greedy or isinstance(generator, RowStreams))
-    gens = generator
     rows = torch.arange(n, device=device)  # batch row -> row of the result (the identity until a compaction)
     finished = torch.zeros(n, dtype=torch.bool, device=device)  # per batch row
 
@@ -318,7 +313,7 @@ def generate(
             token = torch.argmax(logp, dim=-1)
         else:
             logp = sampling_logprobs(out.logits[:, -1, :], params.temperature, params.top_p)
-            token = _sample(logp, gens)
+            token = _sample(logp, generator)
         live = ~finished
         # Tensor ops only (no host sync): finished rows write what they held (padding, log-prob 0).
         out_ids[rows, t] = torch.where(live, token, pad_id)
@@ -350,8 +345,8 @@ def generate(
             past.reorder_cache(keep)
             rows, finished, attn = rows[keep], finished[keep], attn[keep]
             step_ids, step_pos = step_ids[keep], step_pos[keep]
-            if isinstance(gens, RowStreams):
-                gens = gens.select(keep)
+            if isinstance(generator, RowStreams):
+                generator = generator.select(keep)
 
     lengths_l, ids_l, lp_l = lengths.tolist(), out_ids.tolist(), out_lp.tolist()
     responses = [ids_l[i][: lengths_l[i]] for i in range(n)]

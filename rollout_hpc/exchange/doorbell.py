@@ -3,7 +3,7 @@
 MPI has no wait that sleeps, so a receiver thread probes and sleeps in between (exchange/pacing.py). When the sender
 runs on the same host (a colocated node, the local launcher), it can say "I just sent" at once: each waiting thread
 owns a Linux abstract-namespace UNIX datagram socket named after the job, the link and its world rank; the sender
-`ring()`s it right after posting its MPI send, and the waiter's sleep (a `poll()` on the socket) ends there.
+`ring()`s it just before posting its MPI send, and the waiter's sleep (a `poll()` on the socket) ends there.
 
 The doorbell only shortens sleeps: what arrived is always found by the MPI probe, so a ring that never comes (the
 sender on another node), a ring lost (a full socket queue: one was already pending) or a stray one (any process of
@@ -77,9 +77,11 @@ class Doorbell:
 
 
 class Ringer:
-    """The sending side: rings the doorbells of a fixed set of names (the peers that may wait for its sends)."""
+    """The sending side: rings the doorbells of a fixed set of names (the peers that may wait for its sends); rings
+    nothing under ROLLOUT_DOORBELL=0."""
 
     def __init__(self, names: list[str]) -> None:
+        self.on = enabled()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.setblocking(False)
         self.addresses = ["\0" + n for n in names]
@@ -87,6 +89,8 @@ class Ringer:
 
     def ring(self, which: int | None = None) -> None:
         """Ring peer `which` (an index into the names), or all."""
+        if not self.on:
+            return
         for i in range(len(self.addresses)) if which is None else (which,):
             if i in self.absent:
                 continue

@@ -139,8 +139,9 @@ class Exchange:
         # A dest node leader's receiver sleeps on a doorbell the source leaders ring as they send (a sender on the
         # same host wakes it at once: exchange/doorbell.py); bound before the collective Dup, so before any ring.
         # Elsewhere an Event: get() sets it, nobody waits on it.
+        self.bell_link = f"exp-{source}-{dest}"
         self._wake: doorbell.Doorbell | threading.Event = (
-            doorbell.Doorbell(doorbell.bell_name(world.job_id, f"exp-{source}-{dest}", world.rank))
+            doorbell.Doorbell(doorbell.bell_name(world.job_id, self.bell_link, world.rank))
             if not self.producer and world.is_node_leader
             else threading.Event()
         )
@@ -403,11 +404,8 @@ class _Forwarder(_Worker):
         super().__init__(ex)
         cfg, world = ex.cfg, ex.world
         self.dests = [r.group_rank for r in world.leaders(ex.dest)]
-        link = f"exp-{ex.source}-{ex.dest}"
-        self.ringer = (
-            doorbell.Ringer([doorbell.bell_name(world.job_id, link, r.rank) for r in world.leaders(ex.dest)])
-            if doorbell.enabled()
-            else None
+        self.ringer = doorbell.Ringer(
+            [doorbell.bell_name(world.job_id, ex.bell_link, r.rank) for r in world.leaders(ex.dest)]
         )
         self.budget = max(1, cfg.exchange.max_inflight_bytes // len(world.leaders(ex.source)))
         self.tokens = np.zeros(len(self.dests), np.int64)  # tokens sent per trainer node
@@ -480,8 +478,7 @@ class _Forwarder(_Worker):
 
     def _to_all_trainers(self, tag: int, payload: bytes):
         MPI = self.MPI
-        if self.ringer is not None:  # before the send: a ring that comes after the message misleads the pacer
-            self.ringer.ring()
+        self.ringer.ring()  # before the send: a ring that comes after the message misleads the pacer
         MPI.Request.Waitall([self.comm.Isend([payload, MPI.BYTE], dest=d, tag=tag) for d in self.dests])
 
     def _send(self, claim: _Claim):
@@ -495,8 +492,7 @@ class _Forwarder(_Worker):
             ) from None
         j = int(np.argmin(self.tokens))
         # Sent straight from shared memory; the record stays claimed until the send completes.
-        if self.ringer is not None:  # before the send (exchange/pacing.py)
-            self.ringer.ring(j)
+        self.ringer.ring(j)  # before the send (exchange/pacing.py)
         req = self.comm.Isend([view, self.MPI.BYTE], dest=self.dests[j], tag=TAG_DATA)
         self.sending.append((req, claim))
         self.tokens[j] += n_tokens

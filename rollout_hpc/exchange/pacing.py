@@ -39,7 +39,6 @@ class ArrivalPacer:
         self.t0: float | None = None
         self.bell_trusted = False  # the last message came with a doorbell ring before it
         self.rung_at: float | None = None  # when the latest ring since the last message came
-        self._rung_since = False
 
     def start(self) -> None:
         if self.t0 is None:
@@ -67,14 +66,14 @@ class ArrivalPacer:
 
     def rung(self) -> None:
         """A sender rang this thread's doorbell."""
-        self.rung_at, self._rung_since = time.monotonic(), True
+        self.rung_at = time.monotonic()
 
     def arrived(self) -> None:
         """A message came (waited for or not)."""
         if self.t0 is not None:
             self.last = time.monotonic() - self.t0
             self.t0 = None
-        self.bell_trusted, self._rung_since, self.rung_at = self._rung_since, False, None
+        self.bell_trusted, self.rung_at = self.rung_at is not None, None
 
     def cancel(self) -> None:
         """The wait ended without the message (the waiter gave up): keep the last length."""

@@ -144,7 +144,7 @@ class WeightSync:
             doorbell.Ringer(
                 [doorbell.bell_name(world.job_id, "weights", r.rank) for r in world.ranks if r.role == "generator"]
             )
-            if world.is_trainer and world.group_rank == 0 and doorbell.enabled()
+            if world.is_trainer and world.group_rank == 0
             else None
         )
         self.chunk_bytes = min(cfg.exchange.weight_chunk_bytes, _MAX_MPI_COUNT)
