@@ -33,6 +33,7 @@ import socket
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -78,33 +79,32 @@ def trainer_device(cfg, world) -> torch.device:
 def init_torch_distributed(world, backend: str) -> None:
     """Start torch.distributed over the MPI trainer group (not the whole world).
 
-    Trainer group rank 0 picks a free TCP port and broadcasts its address over
-    the group's MPI communicator; rank and size come from that communicator, so
-    no launcher-specific environment (torchrun, SLURM_PROCID) is needed.
+    Trainer group rank 0 starts the rendezvous store on a port the OS picks as it binds (no window in which another
+    process can take a port chosen before: that failed with EADDRINUSE) and broadcasts its address over the group's
+    MPI communicator; rank and size come from that communicator, so no launcher-specific environment (torchrun,
+    SLURM_PROCID) is needed.
     """
     if dist.is_initialized():
         return
     comm = world.group_comm
+    hosts = comm.allgather(socket.gethostname())
+    store = None
     if comm.Get_rank() == 0:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        host = socket.gethostname()
-        addr = socket.gethostbyname(host)
-        info = (host, addr, port)
+        # one node: loopback works even where the hostname resolves oddly
+        addr = "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(hosts[0])
+        store = dist.TCPStore(addr, 0, comm.Get_size(), is_master=True, timeout=_STORE_TIMEOUT, wait_for_workers=False)
+        info = (addr, store.port)
     else:
         info = None
-    host, addr, port = comm.bcast(info, root=0)
-    if all(h == host for h in comm.allgather(socket.gethostname())):
-        addr = "127.0.0.1"  # one node: loopback works even where the hostname resolves oddly
-    os.environ.setdefault("MASTER_ADDR", addr)
+    addr, port = comm.bcast(info, root=0)
+    if store is None:
+        store = dist.TCPStore(addr, port, comm.Get_size(), is_master=False, timeout=_STORE_TIMEOUT)
+    os.environ.setdefault("MASTER_ADDR", addr)  # for libraries that read them (DeepSpeed)
     os.environ.setdefault("MASTER_PORT", str(port))
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{addr}:{port}",
-        rank=comm.Get_rank(),
-        world_size=comm.Get_size(),
-    )
+    dist.init_process_group(backend=backend, store=store, rank=comm.Get_rank(), world_size=comm.Get_size())
+
+
+_STORE_TIMEOUT = timedelta(minutes=10)
 
 
 class Trainer(ABC):
