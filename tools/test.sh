@@ -35,5 +35,8 @@ echo "[test] mypy rollout_hpc"
 mypy rollout_hpc
 echo "[test] cargo test (rust/)"
 cargo test -q -p rollout-ring --release 2>&1 | tail -n 25
+# Every test run starts ranks that import the package; where PYTHONDONTWRITEBYTECODE is set (as in CI's
+# container) nothing caches the compiled modules, so each process would compile them again: do it once here.
+python -m compileall -q rollout_hpc tools tests >/dev/null
 echo "[test] pytest"
 exec python -m pytest -q -ra -p no:cacheprovider --durations=30 "$@"
