@@ -76,6 +76,10 @@ def trainer_device(cfg, world) -> torch.device:
     return torch.device("cpu")
 
 
+# How long the trainer ranks wait for each other at the rendezvous store (torch's default is 30 minutes).
+_STORE_TIMEOUT = timedelta(minutes=10)
+
+
 def init_torch_distributed(world, backend: str) -> None:
     """Start torch.distributed over the MPI trainer group (not the whole world).
 
@@ -102,9 +106,6 @@ def init_torch_distributed(world, backend: str) -> None:
     os.environ.setdefault("MASTER_ADDR", addr)  # for libraries that read them (DeepSpeed)
     os.environ.setdefault("MASTER_PORT", str(port))
     dist.init_process_group(backend=backend, store=store, rank=comm.Get_rank(), world_size=comm.Get_size())
-
-
-_STORE_TIMEOUT = timedelta(minutes=10)
 
 
 class Trainer(ABC):
