@@ -581,7 +581,8 @@ class GeneratorSection(GroupSection):
         description="Sample-level rollout scheduling: generate this many prompts more than a step trains on; the "
         "step takes the groups that finish first and aborts the rest, whose prompts are retried (fresh samples) at "
         "the next step, where they must finish. Cuts the long tail of on-policy steps; which prompts a step trains on "
-        "then depends on when groups finish (0: exactly algorithm.prompts_per_step, bitwise-reproducible resume).",
+        "then depends on when groups finish (0: exactly algorithm.prompts_per_step, bitwise-reproducible resume). With "
+        "dynamic sampling, uninformative groups are dropped as they finish instead of in refill rounds.",
     )
 
 
@@ -963,10 +964,11 @@ class Config(_Section):
                 f"cuts the long tail of on-policy steps, but exchange.max_staleness is {self.exchange.max_staleness} "
                 "(the tail already overlaps training there); set one of them to 0"
             )
-        elif a.dynamic_sampling or ALGORITHMS[a.name].dynamic_sampling:
+        elif (a.dynamic_sampling or ALGORITHMS[a.name].dynamic_sampling) and self.rewards.models:
             why = (
-                f"is not combined with dynamic sampling yet (algorithm {a.name}"
-                f"{', dynamic_sampling: true' if a.dynamic_sampling else ''}); set generator.extra_prompts: 0"
+                f"with dynamic sampling (algorithm {a.name}) drops uninformative groups as their rule rewards come in, "
+                "but rewards.models' scores are mixed in later (normalized over the step by the trainers): set "
+                "generator.extra_prompts: 0, or leave out rewards.models"
             )
         elif self.generator.backend != "hf":
             why = (

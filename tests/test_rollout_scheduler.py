@@ -62,6 +62,67 @@ def test_the_trainers_refuse_a_choice_that_breaks_the_rule():
         sampler.advance({0: np.array([3, 6, 7, 8])})
 
 
+def play_dynamic(sampler: PromptSampler, steps: int, rng: np.random.Generator, p_informative: float):
+    """The rule with dynamic sampling: each rank takes its retries, then fresh groups in a random finishing order
+    until its quota of those taken are informative (all of them if they never are). Returns per step
+    (what it took, which of those were informative) and checks the trainers accept it."""
+    history = []
+    for _ in range(steps):
+        took, informative, ok = {}, {}, []
+        for rank in range(sampler.n_ranks):
+            retry, fresh = sampler.candidates(rank)
+            order = np.concatenate([retry, rng.permutation(fresh)])
+            good = rng.random(len(order)) < p_informative
+            done = np.arange(len(order)) < len(retry)
+            need = sampler.quotas[rank] - int(good[: len(retry)].sum())
+            for j in range(len(retry), len(order)):
+                if need <= 0:
+                    break
+                done[j], need = True, need - int(good[j])
+            took[rank], informative[rank] = order[done], int(good[done].sum())
+            ok.append(order[done & good])
+        sampler.advance(took, informative)
+        history.append((np.concatenate(list(took.values())), np.concatenate(ok)))
+    return history
+
+
+@pytest.mark.parametrize(("prompts", "extra", "ranks", "p"), [(4, 2, 1, 0.5), (5, 3, 2, 0.7), (3, 3, 3, 0.2)])
+def test_with_dynamic_sampling_each_prompt_is_taken_once_and_a_step_trains_its_quota_of_informative_groups(
+    prompts, extra, ranks, p
+):
+    sampler = PromptSampler(prompts, extra, ranks)
+    history = play_dynamic(sampler, 12, np.random.default_rng(0), p)
+    took = np.concatenate([t for t, _ in history])
+    assert len(took) == len(set(took.tolist()))  # taken once: trained, or dropped as uninformative, never retried
+    owed = np.concatenate(sampler.retries)
+    assert len(owed) <= extra
+    assert sorted([*took.tolist(), *owed.tolist()]) == list(range(sampler.cursor))  # nothing skipped
+    assert all(len(ok) <= prompts for _, ok in history)  # never more informative groups than the step trains
+    assert any(len(t) > prompts for t, _ in history)  # dropped groups were replaced within the step
+
+
+def test_with_dynamic_sampling_the_trainers_check_the_informative_count():
+    sampler = PromptSampler(2, 2, 1)  # candidates 0..3
+    with pytest.raises(ValueError, match="1 informative groups among the 2 prompts taken, its share is 2"):
+        sampler.advance({0: np.array([0, 1])}, {0: 1})
+    sampler.advance({0: np.array([0, 1, 3])}, {0: 2})  # 0 dropped, 1 and 3 trained, 2 deferred
+    assert sampler.candidates(0)[0].tolist() == [2]
+    sampler.advance({0: np.array([2, 4, 5, 6])}, {0: 0})  # none informative: it took all its candidates
+    assert sampler.cursor == 7 and not len(sampler.retries[0])
+
+
+def test_with_dynamic_sampling_a_rank_owing_less_than_its_share_keeps_its_retries_through_the_weight_sync():
+    sampler = PromptSampler(5, 3, 2)  # rank 0: quota 3 + 2 extra (candidates 0..4), rank 1: 2 + 1 (5..7)
+    sampler.advance({0: np.array([0, 1, 2, 3]), 1: np.array([5, 6])}, {0: 3, 1: 2})  # rank 0 dropped one group
+    assert [r.tolist() for r in sampler.retries] == [[4], [7]]
+    sent = PromptSampler(5, 3, 2)
+    sent.load_state_dict(json.loads(json.dumps(sampler.meta())))
+    assert [r.tolist() for r in sent.retries] == [[4], [7]]  # not dealt out again as if the ranks had changed
+    one = PromptSampler(5, 3, 1)  # a resume with one generator rank: it owes both
+    one.load_state_dict(sampler.state_dict())
+    assert one.retries[0].tolist() == [4, 7]
+
+
 def test_the_state_survives_a_checkpoint_the_weight_sync_and_a_new_generator_count():
     cfg = load_config(None, ["generator.extra_prompts=3", "algorithm.prompts_per_step=6", "generator.tasks_per_node=2"])
     sampler = PromptSampler.for_config(cfg)
@@ -99,13 +160,34 @@ def test_the_step_takes_the_groups_that_finish_first():
     assert pick_groups(np.full(4, -1), G, 0, 1) is None
 
 
+def test_with_dynamic_sampling_the_step_takes_finished_groups_until_enough_count():
+    G = 2
+    done = np.full(4 * G, -1)  # no retries; the step needs 2 informative groups
+    informative = np.full(4, -1)
+    done[0:2], done[4:6] = 1, 3  # group 0 done at token 1, group 2 at token 3
+    informative[2] = 1
+    assert pick_groups(done, G, 0, 2, informative) is None  # group 0 finished first but is not scored yet
+    informative[0] = 0
+    assert pick_groups(done, G, 0, 2, informative) is None  # 0 is dropped, 2 counts: one short
+    done[6:8], informative[3] = 4, 1
+    assert pick_groups(done, G, 0, 2, informative).tolist() == [0, 2, 3]  # the dropped group is taken too
+    done[2:4], informative[1] = 8, 0  # all finished, too few informative: the step takes them all
+    assert pick_groups(done, G, 0, 3, informative).tolist() == [0, 1, 2, 3]
+    # A retry must be finished and scored; an informative one counts toward the quota.
+    retried = np.array([5, 5, 2, 2, -1, -1])
+    assert pick_groups(retried, G, 1, 2, np.array([-1, 1, -1])) is None
+    assert pick_groups(retried, G, 1, 2, np.array([1, 1, -1])).tolist() == [0, 1]
+
+
 @pytest.mark.parametrize(
     ("overrides", "names"),
     [
         (["generator.extra_prompts=9"], "more than algorithm.prompts_per_step"),
         (["generator.extra_prompts=2", "exchange.max_staleness=1"], "exchange.max_staleness is 1"),
-        (["generator.extra_prompts=2", "algorithm.name=dapo"], "dynamic sampling"),
-        (["generator.extra_prompts=2", "algorithm.dynamic_sampling=true"], "dynamic_sampling: true"),
+        (
+            ["generator.extra_prompts=2", "algorithm.name=dapo", "rewards.models=[{name: rm, path: x, kind: judge}]"],
+            "rewards.models' scores are mixed in later",
+        ),
         (
             ["generator.extra_prompts=2", "generator.backend=vllm", "generator.gpus_per_task=1"],
             "backend 'vllm' has no such abort",
@@ -169,3 +251,57 @@ def test_a_run_with_extra_prompts_stopped_and_resumed_trains_each_prompt_once_li
         m = r.metrics()
     assert m["deferred_prompts"].tolist() == [1.0] * STEPS  # logged each step
     assert m["retried_prompts"].tolist() == [0.0] + [1.0] * (STEPS - 1)
+
+
+# Informative for about half of the groups: prompts with an odd answer score the parity of the response's length
+# (a group of 4 ties there 1 time in 8), the others always 0 (never informative).
+PARITY_REWARD = """
+def reward(prompt, text):
+    return float(len(text) % 2) if int(prompt.answer) % 2 else 0.0
+"""
+
+
+def test_dapo_with_extra_prompts_drops_uninformative_groups_as_they_finish_and_resumes_exactly(tmp_path):
+    (tmp_path / "parity.py").write_text(PARITY_REWARD)
+    stops = list("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    extra = (
+        "generator: {extra_prompts: 2, tasks_per_node: 2}\n"  # two generator ranks: each applies the rule to its share
+        f'task: {{name: arithmetic, params: {{max_operand: 4, ops: "+"}}, reward: "{tmp_path / "parity.py"}:reward"}}\n'
+        f"algorithm: {{name: dapo, steps: {STEPS}, prompts_per_step: {PROMPTS}, group_size: {GROUP}, "
+        f"max_new_tokens: 6, stop: {json.dumps(stops)}}}"
+    )
+    whole = tmp_path / "whole"
+    done = cli(
+        "submit", write_run_config(tmp_path, "whole", STEPS, extra=extra), "--local", "--run-dir", whole, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    cut = tmp_path / "cut"
+    stop_and_resume(write_run_config(tmp_path, "cut", STEPS, extra=extra), cut, 3, tmp_path, steps=STEPS)
+
+    for run in (whole, cut):
+        rows = logged_uids(run)
+        assert len(rows) == len(set(rows))  # every sample logged once
+        by_step = trained_by_step(run)
+        taken = [p for s in sorted(by_step) for p in by_step[s]]
+        assert len(taken) == len(set(taken))  # a prompt is taken once: trained, or dropped and never retried
+        assert len(set(range(max(taken) + 1)) - set(taken)) <= 2  # nothing skipped but the retries still owed
+        with TrajectoryReader(run) as r:
+            m = r.metrics()
+            steps, prompts, rewards, ranks = (r.column(c) for c in ("step", "prompt_id", "reward", "gen_rank"))
+        kept, dropped = m["groups_kept"], m["groups_dropped"]
+        replaced = 0  # rank-steps that dropped a group and found an informative one after it
+        for s in range(STEPS):
+            assert kept[s] + dropped[s] == len(by_step[s])
+            for rank in (0, 1):  # each generator rank: quota 1 and 1 extra prompt (2 candidates a step)
+                mine = (steps == s) & (ranks == rank)
+                groups = [rewards[mine & (prompts == p)] for p in np.unique(prompts[mine])]
+                assert all(len(g) == GROUP for g in groups)
+                informative = sum(np.ptp(g) > 0 for g in groups)  # what the trainer kept of them (the rest all tie)
+                # Its one informative group, with the uninformative ones that finished before it; or, if it found
+                # none, both of its candidates.
+                assert informative == 1 or len(groups) == 2, (s, rank, [g.tolist() for g in groups])
+                assert informative <= 1
+                replaced += informative == 1 and len(groups) == 2
+        assert replaced and (kept == PROMPTS).any()
+    assert trained_by_step(cut) == trained_by_step(whole)
+    assert weights_digest(cut) == weights_digest(whole)

@@ -38,7 +38,14 @@ from rollout_hpc.runtime.env_group import generator_host
 from rollout_hpc.runtime.evaluation import EvalSchedule, Evaluator
 from rollout_hpc.runtime.model_rewards import ModelScorer
 from rollout_hpc.runtime.rollout_scheduler import PromptSampler, scheduled_rollout
-from rollout_hpc.runtime.step_plan import Informative, StepPlan, informative_groups, rank_share
+from rollout_hpc.runtime.step_plan import (
+    Informative,
+    StepPlan,
+    group_informative,
+    informative_groups,
+    rank_share,
+    uses_dynamic_sampling,
+)
 
 
 class RewardWorkers:
@@ -253,6 +260,8 @@ def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights
             gen.load_weights(tensors)
         evaluator.run(point, version)
 
+    # generator.extra_prompts with dynamic sampling: the groups the step needs are informative ones
+    informative = (lambda r, n: group_informative(cfg, r.ravel(), n.ravel())) if uses_dynamic_sampling(cfg) else None
     warmup, total = cfg.warmup.sft_steps, cfg.total_steps
     aborted = 0  # samples cut off by generator.extra_prompts' scheduling
     try:
@@ -282,7 +291,7 @@ def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights
                 assert workers is not None  # single-turn only (envs.registry.check_task)
                 sampler = PromptSampler.from_meta(cfg, (weights.meta or {}).get("sampler"))
                 got = scheduled_rollout(
-                    gen, dataset, sampler, world.group_rank, a.group_size, world.rank, version, workers
+                    gen, dataset, sampler, world.group_rank, a.group_size, world.rank, version, workers, informative
                 )
                 if got is not None:
                     aborted += got.aborted

@@ -12,6 +12,15 @@ The rule, per generator rank r (P_r of the step's P prompts, N_r of the N extra:
   group finishes when all of its samples have; the moment that set is known, generation of the others stops;
 - the fresh prompts left out are this rank's retries at the next step.
 
+With dynamic sampling (DAPO's, or algorithm.dynamic_sampling: true) a group whose rewards are all equal teaches
+nothing, and it is dropped as it completes instead of in refill rounds: the rank's step is its retries plus fresh
+groups in the order they finish (each scored as it finishes) until P_r of the groups taken are informative; the
+uninformative ones taken on the way are consumed (logged, not trained, never retried), like a refill round's. If
+all of its candidates finish with fewer than P_r informative, the step takes them all and trains on fewer groups,
+as dynamic sampling does when its rounds run out. Retries are at most N_r either way. A rank's batch puts its
+dropped groups first, and it travels as one record, so the trainers know the rank's share is complete once they
+hold P_r informative groups of it (or all of its candidates).
+
 Every rank applies it to its own candidates, so no message passes between generators; the trainers replay the
 same rule from what arrived (which prompts each generator rank trained) to know the next step's candidates, check
 that nothing was trained twice or skipped, checkpoint the state, and publish it with the weights
@@ -25,6 +34,7 @@ when its whole batch has.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -72,22 +82,28 @@ class PromptSampler:
         start = self.cursor + sum(counts[:rank])
         return self.retries[rank], np.arange(start, start + counts[rank], dtype=np.int64)
 
-    def advance(self, trained: dict[int, np.ndarray]) -> int:
-        """After a step: `trained` = {generator group rank: prompts trained from it}. Checks them against the rule
-        (every retry, P_r prompts, only candidates) and moves on; returns how many prompts were deferred."""
+    def advance(self, trained: dict[int, np.ndarray], informative: dict[int, int] | None = None) -> int:
+        """After a step: `trained` = {generator group rank: prompts its step took}. Checks them against the rule
+        (every retry, P_r prompts, only candidates; with dynamic sampling, `informative` = {rank: informative groups
+        among them}: P_r of them, or every candidate taken) and moves on; returns how many prompts were deferred."""
         retries = []
         for rank in range(self.n_ranks):
             retry, fresh = self.candidates(rank)
             got = np.unique(np.asarray(trained.get(rank, ()), np.int64))
-            problem = None
+            quota, problem = self.quotas[rank], None
             if not np.isin(retry, got).all():
                 problem = f"retried prompts {np.setdiff1d(retry, got)[:5].tolist()} are missing"
             elif not np.isin(got, np.concatenate([retry, fresh])).all():
                 problem = (
                     f"prompts {np.setdiff1d(got, np.concatenate([retry, fresh]))[:5].tolist()} were not its to run"
                 )
-            elif len(got) != self.quotas[rank]:
-                problem = f"{len(got)} prompts trained, its share is {self.quotas[rank]}"
+            elif informative is None and len(got) != quota:
+                problem = f"{len(got)} prompts trained, its share is {quota}"
+            elif informative is not None and informative.get(rank, 0) != quota and len(got) != len(retry) + len(fresh):
+                problem = (
+                    f"{informative.get(rank, 0)} informative groups among the {len(got)} prompts taken, its share is "
+                    f"{quota} (fewer only when it took all {len(retry) + len(fresh)} candidates)"
+                )
             if problem:
                 raise ValueError(
                     f"generator rank {rank}: {problem} (candidates: retries {retry.tolist()}, fresh "
@@ -103,13 +119,22 @@ class PromptSampler:
 
     def state_dict(self) -> dict:
         ranks = np.concatenate([np.full(len(r), i, np.int64) for i, r in enumerate(self.retries)])
-        return {"cursor": np.int64(self.cursor), "retries": np.concatenate(self.retries), "retry_ranks": ranks}
+        return {
+            "cursor": np.int64(self.cursor),
+            "retries": np.concatenate(self.retries),
+            "retry_ranks": ranks,
+            "n_ranks": np.int64(self.n_ranks),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.cursor = int(state["cursor"])
         retries, ranks = np.asarray(state["retries"], np.int64), np.asarray(state["retry_ranks"], np.int64)
         counts = np.bincount(ranks, minlength=self.n_ranks) if len(ranks) else np.zeros(self.n_ranks, np.int64)
-        if len(counts) > self.n_ranks or (len(retries) and counts.tolist() != self.extras):
+        if "n_ranks" in state:  # with dynamic sampling a rank may owe fewer than its share of the extra prompts
+            regroup = int(state["n_ranks"]) != self.n_ranks
+        else:  # a checkpoint from before n_ranks was saved: each rank owed exactly its share after the first step
+            regroup = len(counts) > self.n_ranks or bool(len(retries) and counts.tolist() != self.extras)
+        if regroup:
             # The generator group changed size since the checkpoint: deal the retries out again, in order, as many
             # to each rank as its share of the extra prompts (never more than it trains in a step).
             bounds = np.cumsum([0, *self.extras])
@@ -131,19 +156,31 @@ class PromptSampler:
         return sampler
 
 
-def pick_groups(done_at: np.ndarray, group_size: int, n_retries: int, quota: int) -> np.ndarray | None:
+def pick_groups(
+    done_at: np.ndarray, group_size: int, n_retries: int, quota: int, informative: np.ndarray | None = None
+) -> np.ndarray | None:
     """Candidate groups (indices; the first `n_retries` are retries) that make the step, or None while that is not
-    known yet. done_at: per row, the token index at which it finished (-1: still generating)."""
+    known yet. done_at: per row, the token index at which it finished (-1: still generating). `informative`, with
+    dynamic sampling: per group 1, 0, or -1 while not scored yet; the step then takes finished groups until `quota`
+    of those taken are informative (all of them if they never are)."""
     rows = done_at.reshape(-1, group_size)
     finished: np.ndarray = np.asarray((rows >= 0).all(axis=1))
-    if not finished[:n_retries].all():
+    known = np.ones(len(rows), np.int8) if informative is None else np.asarray(informative, np.int8)
+    if not finished[:n_retries].all() or (known[:n_retries] < 0).any():
         return None
+    need = quota - int(known[:n_retries].sum())
     fresh = np.flatnonzero(finished[n_retries:]) + n_retries
-    need = quota - n_retries
-    if len(fresh) < need:
+    taken = []
+    for g in fresh[np.lexsort((fresh, rows[fresh].max(axis=1)))]:  # first to finish; ties in stream order
+        if need <= 0:
+            break
+        if known[g] < 0:
+            return None  # the order is known but not yet whether this group counts
+        taken.append(g)
+        need -= int(known[g])
+    if need > 0 and not (finished.all() and (known >= 0).all()):
         return None
-    order = np.lexsort((fresh, rows[fresh].max(axis=1)))  # first to finish; ties in stream order
-    return np.sort(np.concatenate([np.arange(n_retries), fresh[order[:need]]]))
+    return np.sort(np.concatenate([np.arange(n_retries), np.asarray(taken, np.int64)]))
 
 
 @dataclass
@@ -158,9 +195,18 @@ class ScheduledRollout:
 
 
 def scheduled_rollout(
-    gen, dataset, sampler: PromptSampler, rank: int, group_size: int, gen_rank: int, version: int, workers
+    gen,
+    dataset,
+    sampler: PromptSampler,
+    rank: int,
+    group_size: int,
+    gen_rank: int,
+    version: int,
+    workers,
+    informative: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
 ) -> ScheduledRollout | None:
     """Generate this rank's candidates, stop once the step's groups are known, score each sample as it finishes.
+    `informative(rewards [k, G], response lengths [k, G]) -> [k] bool`, with dynamic sampling: which groups count.
     None when the rank has no prompts this step."""
     retry, fresh = sampler.candidates(rank)
     prompts_ids = np.concatenate([retry, fresh])
@@ -178,16 +224,39 @@ def scheduled_rollout(
     stops = gen.sampling.stop
     done_at = np.full(n, -1, np.int64)
     row_text: list[str | None] = [None] * n  # the text each early-scored row was scored on
+    row_len = np.zeros(n, np.int64)  # its response length (cut at a stop string, as the batch will hold it)
+    results: list = [None] * n
+    group_ok = None if informative is None else np.full(n // G, -1, np.int8)  # per group: informative, once scored
     # One scoring call at a time, of every row that finished since the last one went out: a call per token would
     # spend more on the reward workers' round trips (and the GIL) than a cheap reward costs.
     scoring = ThreadPoolExecutor(1, thread_name_prefix="early-scoring")
-    pending: list[tuple[np.ndarray, Future]] = []
+    pending: list[tuple[np.ndarray, Future]] = []  # sent, results not taken yet
     waiting: list[int] = []  # finished rows not sent yet
     picked: list[np.ndarray | None] = [None]
 
-    def text(ids: list[int]) -> str:
+    def text(ids: list[int]) -> tuple[str, int]:
         end = stop_string_end(gen.tokenizer, ids, stops) if stops else None
-        return gen.tokenizer.decode(ids[:end] if end is not None else ids)
+        ids = ids[:end] if end is not None else ids
+        return gen.tokenizer.decode(ids), len(ids)
+
+    def take_scores(wait: bool) -> None:
+        """Results of the scoring calls that are done (all of them with `wait`); decides the groups they complete."""
+        while pending and (wait or pending[0][1].done()):
+            idx, fut = pending.pop(0)
+            for i, r in zip(idx, fut.result()):
+                results[i] = r
+            if group_ok is not None:
+                assert informative is not None  # they come together
+                for g in np.unique(idx // G):
+                    if group_ok[g] < 0 and all(results[i] is not None for i in range(g * G, (g + 1) * G)):
+                        values = np.array([[results[i].value for i in range(g * G, (g + 1) * G)]], np.float32)
+                        group_ok[g] = int(bool(informative(values, row_len[g * G : (g + 1) * G][None])[0]))
+
+    def send_waiting() -> None:
+        if waiting and (not pending or pending[-1][1].done()):
+            rows_out = np.array(waiting)
+            waiting.clear()
+            pending.append((rows_out, scoring.submit(workers.score, [(keys[i], row_text[i]) for i in rows_out])))
 
     def watch(t: int, finished, out_ids, lengths) -> bool:
         fin = finished.cpu().numpy()
@@ -196,21 +265,26 @@ def scheduled_rollout(
             done_at[new] = t
             ids, ends = out_ids[torch.as_tensor(new)].tolist(), lengths[torch.as_tensor(new)].tolist()
             for j, i in enumerate(new):
-                row_text[i] = text(ids[j][: ends[j]])
+                row_text[i], row_len[i] = text(ids[j][: ends[j]])
             waiting.extend(new.tolist())
-        if waiting and (not pending or pending[-1][1].done()):
-            rows_out = np.array(waiting)
-            waiting.clear()
-            pending.append((rows_out, scoring.submit(workers.score, [(keys[i], row_text[i]) for i in rows_out])))
-        picked[0] = pick_groups(done_at, G, len(retry), sampler.quotas[rank])
+        take_scores(wait=False)
+        send_waiting()
+        picked[0] = pick_groups(done_at, G, len(retry), sampler.quotas[rank], group_ok)
         return picked[0] is not None
 
     try:
         out = gen.generate([tokens[i] for i, _ in rows], seeds, watch=watch)
-        results: list = [None] * n
-        for idx, fut in pending:
-            for i, r in zip(idx, fut.result()):
-                results[i] = r
+        if picked[0] is None and informative is not None:
+            # Every row has run to its end: score what has not been (the truncated rows too), then decide.
+            take_scores(wait=True)
+            for i in np.flatnonzero(done_at < 0):
+                row_text[i], row_len[i] = text(out.response_ids[i])
+            done_at[done_at < 0] = gen.sampling.max_new_tokens
+            waiting[:] = [i for i in range(n) if results[i] is None]  # nothing is in flight now
+            send_waiting()
+            take_scores(wait=True)
+            picked[0] = pick_groups(done_at, G, len(retry), sampler.quotas[rank], group_ok)
+        take_scores(wait=True)
     finally:
         scoring.shutdown(wait=True)
     aborted = int((done_at < 0).sum())
@@ -220,6 +294,8 @@ def scheduled_rollout(
         aborted = 0
     groups = picked[0]
     assert groups is not None  # every row is finished now
+    if group_ok is not None:  # the dropped groups first: the trainers count the informative ones to see it whole
+        groups = np.concatenate([groups[group_ok[groups] == 0], groups[group_ok[groups] == 1]])
     chosen = (groups[:, None] * G + np.arange(G)[None, :]).reshape(-1)
     texts: list[str] = [
         t if (t := row_text[i]) is not None else gen.tokenizer.decode(out.response_ids[i]) for i in chosen

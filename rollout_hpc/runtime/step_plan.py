@@ -144,13 +144,19 @@ def informative_groups(cfg, batch: TrajectoryBatch) -> Informative:
         return 0 if len(quotas) == 1 else np.zeros(len(quotas), np.int64)
     order = np.argsort(batch.uids(G), kind="stable")
     f = batch.fixed[order]
-    rewards = shaped_rewards(cfg, f["reward"], f["response_len"].astype(np.float32))
-    ds = algos.dynamic_sampling_filter(rewards, G)
+    kept = group_informative(cfg, f["reward"], f["response_len"])
     if len(quotas) == 1:
-        return ds.kept_groups
-    kept = ds.keep.numpy()[::G]
+        return int(kept.sum())
     domains = QuotaLayout(quotas).domain_of(f["prompt_id"][::G])
     return np.bincount(domains[kept], minlength=len(quotas))
+
+
+def group_informative(cfg, rewards, response_len) -> np.ndarray:
+    """Per group (rows in groups of group_size, one after another): True where its shaped rewards are not all equal,
+    the test of the trainer's dynamic-sampling filter (algos.dynamic_sampling_filter)."""
+    shaped = shaped_rewards(cfg, rewards, np.asarray(response_len, np.float32))
+    G = cfg.algorithm.group_size
+    return algos.dynamic_sampling_filter(shaped, G).keep.numpy()[::G]
 
 
 def rank_share(prompts: PromptIds, rank: int, n_ranks: int) -> np.ndarray:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,14 +57,20 @@ class StepReceiver:
         self.poll_s = poll_s
         self.pool = TrajectoryBatch.empty()
         self.sampler = sampler  # generator.extra_prompts: which prompts each generator rank may send (on-policy)
+        self.dynamic = step_plan.uses_dynamic_sampling(cfg)
 
     def _in(self, prompts) -> np.ndarray:
         return step_plan.in_prompts(self.pool.fixed["prompt_id"], prompts)
 
-    def _wait_for(self, step: int, prompts, need: int | None = None) -> None:
-        """Until the pool holds `need` records (default: whole groups of all of `prompts`) of `prompts`."""
+    def _wait_for(
+        self, step: int, prompts, need: int | None = None, complete: Callable[[], bool] | None = None
+    ) -> None:
+        """Until the pool holds `need` records (default: whole groups of all of `prompts`) of `prompts`, or with
+        `complete` until it says so (the count is not known: whole batches are taken as they come)."""
+        if complete is not None:
+            need = 1 << 40
         need = len(prompts) * self.G if need is None else need
-        while (have := int(self._in(prompts).sum())) < need:
+        while (have := int(self._in(prompts).sum())) < need and not (complete is not None and complete()):
             # In slices: a stop signal or another rank's hang report ends the wait (watchdog.Interrupted), on
             # every trainer rank at the same round (the group agrees in the allgather).
             why = watchdog.interruption()
@@ -71,7 +78,10 @@ class StepReceiver:
                 if why is not None:
                     raise why
                 try:
-                    new = [self.exchange.get(need - have, timeout=watchdog.WAIT_SLICE_S)]
+                    if complete is None:
+                        new = [self.exchange.get(need - have, timeout=watchdog.WAIT_SLICE_S)]
+                    else:
+                        new = [self.exchange.get_available(need, timeout=watchdog.WAIT_SLICE_S)]
                 except TimeoutError:  # what arrived stays in the exchange for the next call
                     new = []
             else:
@@ -85,8 +95,9 @@ class StepReceiver:
                     raise watchdog.Interrupted(*reasons[0])
             watchdog.waiting()
             if not sum(len(b) for b in new) and self.exchange.ended:
+                wanted = "" if complete is not None else f" of the {need}"
                 raise records.StalenessError(
-                    f"step {step}: the generators ended the stream with {have} of the {need} records of prompts "
+                    f"step {step}: the generators ended the stream with {have}{wanted} records of prompts "
                     f"{step_plan.describe(prompts)} sent"
                 )
             self.pool = TrajectoryBatch.concat([self.pool, *new])
@@ -96,15 +107,42 @@ class StepReceiver:
         (on-policy, so every record that arrives now is this step's); the sampler checks the choice and moves on."""
         assert self.sampler is not None
         s = self.sampler
-        candidates = np.sort(np.concatenate([np.concatenate(s.candidates(r)) for r in range(s.n_ranks)]))
-        self._wait_for(step, candidates, need=sum(s.quotas) * self.G)
+        mine = [np.concatenate(s.candidates(r)) for r in range(s.n_ranks)]
+        candidates = np.sort(np.concatenate(mine))
+        if self.dynamic:  # a rank's share is its informative groups and those dropped before them: count them
+            self._wait_for(
+                step, candidates, complete=lambda: all(self._share_complete(r, mine[r]) for r in range(s.n_ranks))
+            )
+        else:
+            self._wait_for(step, candidates, need=sum(s.quotas) * self.G)
         rows = self._in(candidates)
         batch, self.pool = self.pool.select(rows), self.pool.select(~rows)
         f = batch.fixed
-        trained = {r: f["prompt_id"][f["gen_rank"] == r] for r in range(s.n_ranks)}  # generators: world ranks [0, R)
+        by_rank = {r: batch.select(f["gen_rank"] == r) for r in range(s.n_ranks)}  # generators: world ranks [0, R)
+        trained = {r: b.fixed["prompt_id"] for r, b in by_rank.items()}
+        informative = {r: self._informative(b) for r, b in by_rank.items()} if self.dynamic else None
         retried = sum(len(r) for r in s.retries)
-        deferred = s.advance(trained)
+        deferred = s.advance(trained, informative)
         return batch, ScheduledStep(np.unique(f["prompt_id"].astype(np.int64)), retried, deferred)
+
+    def _informative(self, batch: TrajectoryBatch) -> int:
+        """Informative groups among the whole groups of `batch` (dynamic sampling's test)."""
+        if not len(batch):
+            return 0
+        f = records.sort_by_uid(batch, self.G).fixed
+        ids, counts = np.unique(f["prompt_id"], return_counts=True)
+        whole = np.isin(f["prompt_id"], ids[counts == self.G])
+        return int(step_plan.group_informative(self.cfg, f["reward"][whole], f["response_len"][whole]).sum())
+
+    def _share_complete(self, rank: int, candidates: np.ndarray) -> bool:
+        """Whether the pool holds all that generator rank `rank` sends at this step (generator.extra_prompts with
+        dynamic sampling): its quota of informative groups, or all of its candidates. A rank's batch travels whole,
+        its dropped groups first, so holding the informative groups means holding the rest."""
+        assert self.sampler is not None
+        got = self.pool.select(self._in(candidates) & (self.pool.fixed["gen_rank"] == rank))
+        if len(got) == len(candidates) * self.G:
+            return True
+        return self._informative(got) >= self.sampler.quotas[rank]
 
     def get(self, step: int) -> tuple[TrajectoryBatch, StepPlan | ScheduledStep]:
         if self.sampler is not None:
