@@ -12,7 +12,6 @@ import pytest
 from test_resume_local import GROUP, PROMPTS, cli, logged_uids, stop_and_resume, weights_digest, write_run_config
 
 from rollout_hpc.config import ConfigError, load_config
-from rollout_hpc.envs.registry import TaskError, check_task
 from rollout_hpc.runtime.rollout_scheduler import PromptSampler, pick_groups
 from rollout_hpc.store.trajlog import TrajectoryReader
 
@@ -199,12 +198,6 @@ def test_extra_prompts_refuses_what_it_cannot_do(overrides, names):
         load_config(None, overrides)
 
 
-def test_extra_prompts_refuses_a_multi_turn_task():
-    cfg = load_config(None, ["generator.extra_prompts=1", "task.name=frozenlake"])
-    with pytest.raises(TaskError, match="multi-turn"):
-        check_task(cfg)
-
-
 EXTRA = "generator: {extra_prompts: 1}"
 STEPS = 9
 
@@ -213,6 +206,23 @@ def trained_by_step(run_dir) -> dict[int, set[int]]:
     with TrajectoryReader(run_dir) as r:
         steps, prompts = r.column("step"), r.column("prompt_id")
     return {int(s): set(prompts[steps == s].tolist()) for s in np.unique(steps)}
+
+
+def assert_each_prompt_once_and_a_passed_over_one_next(run) -> None:
+    """Every sample logged once, P groups a step; no prompt trained twice; nothing skipped; a prompt passed over at
+    step s-1 (below the highest it trained) is trained at step s, and that happened (the choice depended on timing)."""
+    rows = logged_uids(run)
+    assert len(rows) == len(set(rows)) == STEPS * PROMPTS * GROUP
+    by_step = trained_by_step(run)
+    trained = [p for s in sorted(by_step) for p in by_step[s]]
+    assert len(trained) == len(set(trained))
+    assert len(set(range(max(trained) + 1)) - set(trained)) <= 1  # all below the highest but the last one deferred
+    passed_over = []
+    for s in range(1, STEPS):
+        skipped = set(range(max(by_step[s - 1]))) - set().union(*(by_step[k] for k in range(s)))
+        assert skipped <= by_step[s], (s, skipped, by_step[s])
+        passed_over += skipped
+    assert passed_over
 
 
 def test_a_run_with_extra_prompts_stopped_and_resumed_trains_each_prompt_once_like_one_never_stopped(tmp_path):
@@ -232,19 +242,7 @@ def test_a_run_with_extra_prompts_stopped_and_resumed_trains_each_prompt_once_li
     stop_and_resume(write_run_config(tmp_path, "cut", STEPS, extra=extra), cut, 3, tmp_path, steps=STEPS)
 
     for run in (whole, cut):
-        rows = logged_uids(run)
-        assert len(rows) == len(set(rows)) == STEPS * PROMPTS * GROUP  # every sample once, P groups a step
-        by_step = trained_by_step(run)
-        trained = [p for s in sorted(by_step) for p in by_step[s]]
-        assert len(trained) == len(set(trained))  # no prompt trained twice
-        # Nothing skipped: the prompts below the highest trained are all trained, but the one deferred at the end.
-        assert len(set(range(max(trained) + 1)) - set(trained)) <= 1
-        passed_over = []
-        for s in range(1, STEPS):  # a prompt passed over at step s-1 (below its highest) is trained at step s
-            skipped = set(range(max(by_step[s - 1]))) - set().union(*(by_step[k] for k in range(s)))
-            assert skipped <= by_step[s], (s, skipped, by_step[s])
-            passed_over += skipped
-        assert passed_over  # a later prompt finished first at some step: the choice depended on the lengths
+        assert_each_prompt_once_and_a_passed_over_one_next(run)
     assert trained_by_step(cut) == trained_by_step(whole)  # the HF backend on a CPU chooses deterministically
     assert weights_digest(cut) == weights_digest(whole)
     with TrajectoryReader(cut) as r:
@@ -303,5 +301,29 @@ def test_dapo_with_extra_prompts_drops_uninformative_groups_as_they_finish_and_r
                 assert informative <= 1
                 replaced += informative == 1 and len(groups) == 2
         assert replaced and (kept == PROMPTS).any()
+    assert trained_by_step(cut) == trained_by_step(whole)
+    assert weights_digest(cut) == weights_digest(whole)
+
+
+def test_episodes_with_extra_prompts_take_the_groups_that_end_first_and_resume_exactly(tmp_path):
+    # FrozenLake's episodes (a random policy: it falls in a hole, reaches the goal or runs out of turns) end after 1
+    # to 4 turns: a group ends with its last episode, so which groups a step takes is a real choice.
+    extra = (
+        f"{EXTRA}\n"
+        "task: {name: frozenlake, params: {size: 4}, env: {max_turns: 4, parallel_envs: 16}}\n"
+        "model: {max_seq_len: 256}\n"
+        f"algorithm: {{steps: {STEPS}, prompts_per_step: {PROMPTS}, group_size: {GROUP}, max_new_tokens: 1}}"
+    )
+    whole = tmp_path / "whole"
+    config = write_run_config(tmp_path, "whole", STEPS, extra=extra)
+    done = cli("submit", config, "--local", "--run-dir", whole, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "aborted" in (whole / "logs" / "local-0.out").read_text()  # episodes were abandoned unfinished
+    cut = tmp_path / "cut"
+    stop_and_resume(write_run_config(tmp_path, "cut", STEPS, extra=extra), cut, 3, tmp_path, steps=STEPS)
+    for run in (whole, cut):
+        assert_each_prompt_once_and_a_passed_over_one_next(run)
+        with TrajectoryReader(run) as r:
+            assert (r.column("n_turns") >= 1).all()  # whole episodes only: an abandoned one is never logged
     assert trained_by_step(cut) == trained_by_step(whole)
     assert weights_digest(cut) == weights_digest(whole)

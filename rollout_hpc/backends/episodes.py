@@ -88,23 +88,28 @@ def rollout_episodes(
     settings: EpisodeSettings = EpisodeSettings(),
     labels: Sequence[str] | None = None,
     host: EnvHost | None = None,
+    watch: Callable[[list[int], list[Episode]], bool] | None = None,
 ) -> list[Episode]:
     """Play one episode per item, at most settings.parallel_envs at a time. `envs`: one environment per item, or
     make(i) -> a fresh environment for episode i (called in the episode's thread, so it may fail like a step).
     host: where the environments live (envs/hosts.py; keys are the episode indices); default: threads of this
-    process, built by `envs`. labels: what the rank's log calls episode i when its environment fails."""
+    process, built by `envs`. labels: what the rank's log calls episode i when its environment fails.
+    watch(ended, episodes), after each turn of the batch with the episodes that ended since the last call: True
+    stops there (the episodes still running or waiting are abandoned unfinished, their environments closed)."""
     own_host = host is None
     if host is None:
         make: Callable[[int], Any] = envs if callable(envs) else envs.__getitem__
         host = ThreadEnvs(make, settings.step_timeout)  # type: ignore[arg-type]
     try:
-        return _play(host, items, generate_fn, tokenizer, max_new_tokens, max_context, settings, labels)
+        return _play(host, items, generate_fn, tokenizer, max_new_tokens, max_context, settings, labels, watch)
     finally:
         if own_host:
             host.close()
 
 
-def _play(host: EnvHost, items, generate_fn, tokenizer, max_new_tokens, max_context, settings, labels) -> list[Episode]:
+def _play(
+    host: EnvHost, items, generate_fn, tokenizer, max_new_tokens, max_context, settings, labels, watch=None
+) -> list[Episode]:
     n = len(items)
     eps: list[Episode] = [Episode([]) for _ in range(n)]
     turns = [0] * n
@@ -112,8 +117,10 @@ def _play(host: EnvHost, items, generate_fn, tokenizer, max_new_tokens, max_cont
     waiting = deque(range(n))
     live: list[int] = []
     closing: list[Call] = []  # episodes that ended: their environments close with the next batch of calls
+    ended: list[int] = []  # since the last watch call
 
     def end(i: int, failure: Reply | None = None) -> None:
+        ended.append(i)
         if failure is None:
             closing.append((i, "close", None))
             return
@@ -201,6 +208,12 @@ def _play(host: EnvHost, items, generate_fn, tokenizer, max_new_tokens, max_cont
             ep.loss_mask += [0] * len(obs_ids)
             still.append(i)
         live = still
+        if watch is not None:
+            stop = watch(list(ended), eps)
+            ended.clear()
+            if stop:  # the caller has what it needs: abandon the rest
+                closing.extend((i, "close", None) for i in live)
+                live, waiting = [], deque()
     if closing:
         calls([])
     return eps

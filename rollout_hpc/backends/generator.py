@@ -200,10 +200,12 @@ class Generator:
         seeds: Sequence[int],
         params: SamplingParams | None = None,
         labels: Sequence[str] | None = None,
+        watch=None,
     ) -> list[Episode]:
         """One episode of the task's environment per item, batched across environments (backends/episodes.py).
         Turn k of episode i samples with derive_seed(seeds[i], k): the same whatever else is in the batch.
-        params: per-turn sampling (default: self.sampling with task.env.max_tokens_per_turn)."""
+        params: per-turn sampling (default: self.sampling with task.env.max_tokens_per_turn). watch: see
+        episodes.rollout_episodes (a caller that stops once it has the episodes it needs)."""
         settings = self.episodes or EpisodeSettings()
         if params is None:
             params = self.sampling
@@ -229,6 +231,7 @@ class Generator:
                 settings,
                 labels,
                 host=self.env_host,
+                watch=watch,
             )
         finally:
             self.forget_prefixes()

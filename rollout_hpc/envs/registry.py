@@ -185,11 +185,6 @@ def check_task(cfg) -> Any:
             f"task.env.step_timeout ({step:g} s) must be below run.hang_timeout ({hang:g} s): an environment that "
             "hangs should end its episode, not the job; lower task.env.step_timeout or raise run.hang_timeout"
         )
-    if cfg.generator.extra_prompts and is_multi_turn(task):
-        raise TaskError(
-            f"generator.extra_prompts aborts slow single-turn samples; '{cfg.task.name}' is multi-turn (episodes are "
-            "not aborted yet): set generator.extra_prompts: 0"
-        )
     if cfg.rewards.models and is_multi_turn(task):
         raise TaskError(
             f"rewards.models score single-turn samples; '{cfg.task.name}' is multi-turn (its environment gives the "

@@ -37,7 +37,7 @@ from rollout_hpc.runtime import watchdog
 from rollout_hpc.runtime.env_group import generator_host
 from rollout_hpc.runtime.evaluation import EvalSchedule, Evaluator
 from rollout_hpc.runtime.model_rewards import ModelScorer
-from rollout_hpc.runtime.rollout_scheduler import PromptSampler, scheduled_rollout
+from rollout_hpc.runtime.rollout_scheduler import PromptSampler, RankShare, scheduled_episodes, scheduled_rollout
 from rollout_hpc.runtime.step_plan import (
     Informative,
     StepPlan,
@@ -288,14 +288,17 @@ def run_generator(world, cfg, run_dir: Path, model, tokenizer, exchange, weights
                 break  # the trainers stopped (end of run, or a checkpoint-and-stop)
             plan = StepPlan.for_step(cfg, step - warmup)  # RL steps count their prompts from 0
             if cfg.generator.extra_prompts:  # the prompt sampler's state comes with the weights of this step
-                assert workers is not None  # single-turn only (envs.registry.check_task)
                 sampler = PromptSampler.from_meta(cfg, (weights.meta or {}).get("sampler"))
-                got = scheduled_rollout(
-                    gen, dataset, sampler, world.group_rank, a.group_size, world.rank, version, workers, informative
-                )
-                if got is not None:
-                    aborted += got.aborted
-                    workers.submit(got.batch, got.keys, got.texts, got.results)
+                share = RankShare(sampler, world.group_rank, a.group_size, world.rank, version)
+                if workers is None:  # multi-turn: episodes score themselves
+                    got = scheduled_episodes(gen, dataset, share, informative)
+                    if got is not None:
+                        exchange.put(got.batch)
+                else:
+                    got = scheduled_rollout(gen, dataset, share, workers, informative)
+                    if got is not None:
+                        workers.submit(got.batch, got.keys, got.texts, got.results)
+                aborted += got.aborted if got is not None else 0
             elif plan.done:  # one round: hand it to the reward workers and go on to the next step
                 ids = rank_share(plan.round, world.group_rank, world.group_size)
                 if len(ids):

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rollout_hpc.backends.generator import derive_seed, stop_string_end, trajectory_batch
+from rollout_hpc.backends.generator import derive_seed, episode_batch, stop_string_end, trajectory_batch
 from rollout_hpc.envs.base import dataset_item
 from rollout_hpc.trajectory import TrajectoryBatch
 
@@ -194,32 +194,56 @@ class ScheduledRollout:
     aborted: int  # samples cut off before they finished
 
 
-def scheduled_rollout(
-    gen,
-    dataset,
-    sampler: PromptSampler,
-    rank: int,
-    group_size: int,
-    gen_rank: int,
-    version: int,
-    workers,
-    informative: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
-) -> ScheduledRollout | None:
-    """Generate this rank's candidates, stop once the step's groups are known, score each sample as it finishes.
-    `informative(rewards [k, G], response lengths [k, G]) -> [k] bool`, with dynamic sampling: which groups count.
-    None when the rank has no prompts this step."""
-    retry, fresh = sampler.candidates(rank)
+@dataclass(frozen=True)
+class RankShare:
+    """One generator rank's part of a step: whose candidates (sampler, group rank) and how its records are stamped."""
+
+    sampler: PromptSampler
+    rank: int  # in the generator group
+    group_size: int
+    gen_rank: int  # world rank: the records' gen_rank
+    version: int  # the policy version generating
+
+
+# with dynamic sampling: (rewards [k, G], response lengths [k, G]) -> [k] bool, which groups count
+Informative = Callable[[np.ndarray, np.ndarray], np.ndarray] | None
+
+
+def _candidate_rows(gen, share: RankShare):
+    """(retries, [(prompt, sample)] rows of every candidate, their seeds) of this rank's step; None without any.
+    A retry's samples are drawn afresh (RETRY), not replaying the tail they were cut from."""
+    retry, fresh = share.sampler.candidates(share.rank)
+    G = share.group_size
     prompts_ids = np.concatenate([retry, fresh])
     if not len(prompts_ids):
         return None
-    t_start = time.time()
-    G, n = group_size, len(prompts_ids) * group_size
-    tokens = {int(i): gen.encode_prompt(dataset_item(dataset, int(i))) for i in prompts_ids}
     rows = [(int(i), s) for i in prompts_ids for s in range(G)]
     seeds = [
         derive_seed(gen.seed, i, s, RETRY) if r < len(retry) * G else derive_seed(gen.seed, i, s)
         for r, (i, s) in enumerate(rows)
     ]
+    return retry, rows, seeds
+
+
+def _chosen_rows(groups: np.ndarray, group_ok: np.ndarray | None, G: int) -> np.ndarray:
+    """The rows of the chosen groups; with dynamic sampling the dropped groups first (the trainers count the
+    informative ones to know a rank's batch is whole)."""
+    if group_ok is not None:
+        groups = np.concatenate([groups[group_ok[groups] == 0], groups[group_ok[groups] == 1]])
+    return (groups[:, None] * G + np.arange(G)[None, :]).reshape(-1)
+
+
+def scheduled_rollout(
+    gen, dataset, share: RankShare, workers, informative: Informative = None
+) -> ScheduledRollout | None:
+    """Generate this rank's candidates, stop once the step's groups are known, score each sample as it finishes.
+    `informative(rewards [k, G], response lengths [k, G]) -> [k] bool`, with dynamic sampling: which groups count.
+    None when the rank has no prompts this step."""
+    if (got := _candidate_rows(gen, share)) is None:
+        return None
+    (retry, rows, seeds), G, t_start = got, share.group_size, time.time()
+    n, quota = len(rows), share.sampler.quotas[share.rank]
+    tokens = {i: gen.encode_prompt(dataset_item(dataset, i)) for i, s in rows if s == 0}
     keys = [("train", i) for i, _ in rows]
     stops = gen.sampling.stop
     done_at = np.full(n, -1, np.int64)
@@ -269,7 +293,7 @@ def scheduled_rollout(
             waiting.extend(new.tolist())
         take_scores(wait=False)
         send_waiting()
-        picked[0] = pick_groups(done_at, G, len(retry), sampler.quotas[rank], group_ok)
+        picked[0] = pick_groups(done_at, G, len(retry), quota, group_ok)
         return picked[0] is not None
 
     try:
@@ -283,20 +307,18 @@ def scheduled_rollout(
             waiting[:] = [i for i in range(n) if results[i] is None]  # nothing is in flight now
             send_waiting()
             take_scores(wait=True)
-            picked[0] = pick_groups(done_at, G, len(retry), sampler.quotas[rank], group_ok)
+            picked[0] = pick_groups(done_at, G, len(retry), quota, group_ok)
         take_scores(wait=True)
     finally:
         scoring.shutdown(wait=True)
     aborted = int((done_at < 0).sum())
     if picked[0] is None:  # every row ran to max_new_tokens: the truncated ones count as finished there
         done_at[done_at < 0] = gen.sampling.max_new_tokens
-        picked[0] = pick_groups(done_at, G, len(retry), sampler.quotas[rank])
+        picked[0] = pick_groups(done_at, G, len(retry), quota)
         aborted = 0
     groups = picked[0]
     assert groups is not None  # every row is finished now
-    if group_ok is not None:  # the dropped groups first: the trainers count the informative ones to see it whole
-        groups = np.concatenate([groups[group_ok[groups] == 0], groups[group_ok[groups] == 1]])
-    chosen = (groups[:, None] * G + np.arange(G)[None, :]).reshape(-1)
+    chosen = _chosen_rows(groups, group_ok, G)
     texts: list[str] = [
         t if (t := row_text[i]) is not None else gen.tokenizer.decode(out.response_ids[i]) for i in chosen
     ]
@@ -312,9 +334,63 @@ def scheduled_rollout(
         truncated=[out.truncated[i] for i in chosen],
         prompt_index=[rows[i][0] for i in chosen],
         sample_idx=[rows[i][1] for i in chosen],
-        gen_rank=gen_rank,
-        policy_version=version,
+        gen_rank=share.gen_rank,
+        policy_version=share.version,
         t_start=t_start,
         t_end=t_start,
     )
     return ScheduledRollout(batch, [keys[i] for i in chosen], texts, [results[i] for i in chosen], aborted)
+
+
+def scheduled_episodes(gen, dataset, share: RankShare, informative: Informative = None) -> ScheduledRollout | None:
+    """scheduled_rollout for a multi-turn task: this rank's candidate episodes, played batched until the step's groups
+    are known (a group finishes when its last episode ends; the clock is the batch's turn), the rest abandoned. The
+    episodes score themselves, so `keys`, `texts` and `results` stay empty. None when the rank has no prompts."""
+    if (got := _candidate_rows(gen, share)) is None:
+        return None
+    (retry, rows, seeds), G, t_start = got, share.group_size, time.time()
+    n, quota = len(rows), share.sampler.quotas[share.rank]
+    items = {i: dataset_item(dataset, i) for i, s in rows if s == 0}
+    done_at = np.full(n, -1, np.int64)
+    group_ok = None if informative is None else np.full(n // G, -1, np.int8)
+    clock = [0]
+    picked: list[np.ndarray | None] = [None]
+
+    def judge(groups, eps) -> None:
+        """Whether each finished group of `groups` is informative (its episodes' rewards)."""
+        if group_ok is None or informative is None:
+            return
+        for g in groups:
+            members = range(g * G, (g + 1) * G)
+            if group_ok[g] < 0 and all(done_at[j] >= 0 for j in members):
+                values = np.array([[eps[j].reward for j in members]], np.float32)
+                lengths = np.array([[len(eps[j].response_ids) for j in members]], np.int64)
+                group_ok[g] = int(bool(informative(values, lengths)[0]))
+
+    def watch(ended: list[int], eps) -> bool:
+        if ended:
+            done_at[ended] = clock[0]
+            judge(np.unique(np.asarray(ended) // G), eps)
+        clock[0] += 1
+        picked[0] = pick_groups(done_at, G, len(retry), quota, group_ok)
+        return picked[0] is not None
+
+    labels = [f"prompt {i} sample {s}" for i, s in rows]  # what the rank's log names
+    eps = gen.play_episodes([items[i] for i, _ in rows], seeds, labels=labels, watch=watch)
+    aborted = int((done_at < 0).sum())
+    if picked[0] is None:  # every episode has ended (some perhaps before the last watch saw them)
+        done_at[done_at < 0] = clock[0]
+        judge(range(n // G), eps)
+        picked[0] = pick_groups(done_at, G, len(retry), quota, group_ok)
+        aborted = 0
+    groups = picked[0]
+    assert groups is not None  # every episode has ended now
+    chosen = _chosen_rows(groups, group_ok, G)
+    common = dict(
+        prompt_index=[rows[j][0] for j in chosen],
+        sample_idx=[rows[j][1] for j in chosen],
+        gen_rank=share.gen_rank,
+        policy_version=share.version,
+        t_start=t_start,
+    )
+    return ScheduledRollout(episode_batch([eps[j] for j in chosen], common), [], [], [], aborted)
