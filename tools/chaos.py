@@ -511,7 +511,10 @@ def fail_a_node(rnd: Round, cluster: SlurmCluster, job: str, fault: str, after: 
     time.sleep(rnd.rng.uniform(0.0, 0.5))  # somewhere in a step
     records = cluster.job_records(int(job))
     owner = {r["JobId"]: hostnames(cluster, r["NodeList"]) for r in records}
-    node = rnd.rng.choice(sorted({n for nodes in owner.values() for n in nodes}))
+    nodes_now = sorted({n for nodes in owner.values() for n in nodes})
+    if not nodes_now:  # the job ended after that checkpoint (a slow machine's scontrol): resume, then try again
+        raise JobEnded(job)
+    node = rnd.rng.choice(nodes_now)
     restarts = max(int(r.get("Restarts", 0)) for r in records)
     crash(cluster, node, owner)
     cluster.run("scontrol", "update", f"nodename={node}", "state=down", "reason=chaos: node failure")
