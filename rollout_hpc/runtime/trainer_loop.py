@@ -126,13 +126,11 @@ class StepReceiver:
         return batch, ScheduledStep(np.unique(f["prompt_id"].astype(np.int64)), retried, deferred)
 
     def _informative(self, batch: TrajectoryBatch) -> int:
-        """Informative groups among the whole groups of `batch` (dynamic sampling's test)."""
-        if not len(batch):
-            return 0
-        f = records.sort_by_uid(batch, self.G).fixed
-        ids, counts = np.unique(f["prompt_id"], return_counts=True)
-        whole = np.isin(f["prompt_id"], ids[counts == self.G])
-        return int(step_plan.group_informative(self.cfg, f["reward"][whole], f["response_len"][whole]).sum())
+        """Informative groups among the whole groups of `batch` (dynamic sampling's test; one source: extra prompts
+        refuse mixed datasets)."""
+        ids, counts = np.unique(batch.fixed["prompt_id"], return_counts=True)
+        whole = np.isin(batch.fixed["prompt_id"], ids[counts == self.G])
+        return int(informative_groups(self.cfg, batch.select(whole)))
 
     def _share_complete(self, rank: int, candidates: np.ndarray) -> bool:
         """Whether the pool holds all that generator rank `rank` sends at this step (generator.extra_prompts with
