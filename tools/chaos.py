@@ -92,7 +92,7 @@ CAUSES = {
     "ckpt-flip": "skipping damaged checkpoint",
     "log-truncate": "was damaged",
     "log-flip": "was damaged",
-    "disk-full": "space",
+    "disk-full": "Nothing partial is left",  # the checkpoint refused (not the earlier low-space warning)
 }
 SLURM_CAUSES = {  # the job script's lines (or the runtime's, in the job's log)
     "scancel-in-checkpoint": "stopped by SIGTERM (scancel",
@@ -118,6 +118,7 @@ class Round:
     declared_lost: set = field(default_factory=set)  # log rows a repair line said were lost
     rows: list = field(default_factory=list)  # (step, prompt_id, sample_idx) of the finished run's log
     failed: dict[str, list[str]] = field(default_factory=dict)
+    disk_full: tuple[threading.Event, threading.Thread] | None = None  # disk-full: set it to stop keep_full
 
     @property
     def run_dir(self) -> Path:
@@ -268,8 +269,23 @@ def inject(rnd: Round, fault: str, run: Interruptible) -> str:
         run.proc.send_signal(signal.SIGUSR1)  # stopped first: the damage is done to files at rest
     elif fault == "disk-full":
         newest = max((run_dir / "checkpoints").glob("step-*.h5"))
-        fill(run_dir.parent, newest.stat().st_size // 2)  # the next checkpoint cannot fit
+        until = threading.Event()
+        holder = threading.Thread(
+            target=keep_full, args=(run_dir.parent, newest.stat().st_size // 2, until), daemon=True
+        )
+        holder.start()
+        rnd.disk_full = (until, holder)
     return fault
+
+
+def keep_full(mount: Path, leave: int, until: threading.Event) -> None:
+    """Hold the file system full until the run has stopped: so the next checkpoint cannot fit. Space the run frees
+    after the first fill (a checkpoint in flight published, then the oldest one deleted: keep_last) is taken again,
+    as other users of a full file system would."""
+    while True:
+        fill(mount, leave)
+        if until.wait(0.05):
+            return
 
 
 def after_stop(rnd: Round, fault: str) -> None:
@@ -279,6 +295,9 @@ def after_stop(rnd: Round, fault: str) -> None:
     elif fault.startswith("log-"):
         damage(rnd.run_dir / TRAJECTORY_LOG, fault.split("-")[1], rnd.rng)
     elif fault == "disk-full":
+        if rnd.disk_full is not None:
+            rnd.disk_full[0].set()
+            rnd.disk_full[1].join()
         (rnd.run_dir.parent / "filler").unlink(missing_ok=True)
 
 
@@ -699,6 +718,8 @@ def main(argv: list[str] | None = None) -> int:
                 play_slurm(rnd, reference, cluster)
         finally:
             if "disk-full" in plan:
+                if args.keep:  # the tmpfs goes with the unmount: --keep keeps a copy of its run
+                    subprocess.run(["cp", "-a", str(rnd.root / "fs"), str(rnd.root / "fs-kept")], check=False)
                 subprocess.run(["umount", "-l", str(rnd.root / "fs")], check=False)
         rounds.append(rnd)
         for fault in plan:
