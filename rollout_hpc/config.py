@@ -975,8 +975,6 @@ class Config(_Section):
                 f"aborts the slow groups inside the HF backend's sampling loop; backend '{self.generator.backend}' "
                 "has no such abort yet: set generator.extra_prompts: 0"
             )
-        elif self.task.sources():
-            why = "does not keep a mixed dataset's per-source quotas yet: set generator.extra_prompts: 0"
         if why:
             raise ValueError(f"generator.extra_prompts ({extra}) {why}")
 

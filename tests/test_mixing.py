@@ -42,7 +42,14 @@ def write_data(directory: Path, n_sums: int = 10, n_words: int = 2) -> None:
 
 
 def write_config(
-    directory: Path, name: str, *, steps: int, weights=(3, 1), algorithm: str = "", extra: str = ""
+    directory: Path,
+    name: str,
+    *,
+    steps: int,
+    weights=(3, 1),
+    algorithm: str = "",
+    extra: str = "",
+    max_new_tokens: int = 2,
 ) -> Path:
     d = directory.parent if directory.name in ("a", "b") else directory
     path = directory / f"{name}.yaml"
@@ -58,7 +65,7 @@ task:
       - {{name: words, path: {d / "words.jsonl"}, weight: {weights[1]}, reward: "{d / "words_reward.py"}:reward",
          prompt_key: q, answer_key: a}}
     val: [{{name: sums, path: {d / "sums_val.jsonl"}}}, {{name: words, path: {d / "words_val.jsonl"}}}]
-algorithm: {{name: grpo, steps: {steps}, prompts_per_step: 4, group_size: 2, max_new_tokens: 2, {algorithm}}}
+algorithm: {{name: grpo, steps: {steps}, prompts_per_step: 4, group_size: 2, max_new_tokens: {max_new_tokens}, {algorithm}}}
 checkpoint: {{every_steps: 3, keep_last: 3}}
 {extra}""")
     return path
@@ -270,3 +277,56 @@ def test_dynamic_sampling_refills_the_source_that_misses_groups(tmp_path):
     for step in range(2):
         words = sorted({stream.cursor(p)[1] for s, p, d, _ in rows if s == step and d == 1})
         assert words == [2 * step, 2 * step + 1]  # round 0 and one refill, from its block [2s, 2s + 2)
+
+
+def test_extra_prompts_keep_each_sources_quota_and_resume_exactly_once(tmp_path):
+    """generator.extra_prompts on a mixture, two generator ranks (rank 0's slice of the step is sums', rank 1's
+    words'), one extra prompt each: every step trains each source's quota, every prompt of each source's stream once
+    (the one passed over is trained at the next step), and a run stopped at step 3 and resumed logs the same rows
+    and ends with the same weights as the run never stopped."""
+    write_data(tmp_path, n_words=4)
+    for sub in ("a", "b"):
+        (tmp_path / sub).mkdir()
+    stops = json.dumps(list("0123456789abcdefghijklmnopqrstuvwxyz"))  # answers end at random tokens
+    options = dict(
+        weights=(1, 1),
+        algorithm=f"stop: {stops}",
+        max_new_tokens=6,
+        extra="generator: {extra_prompts: 2, tasks_per_node: 2}\neval: {every_steps: 0, at_start: false}",
+    )
+    straight = write_config(tmp_path / "a", "straight", steps=6, **options)
+    done = cli("submit", straight, cwd=tmp_path / "a")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    straight_dir = tmp_path / "a" / "runs" / "straight"
+    assert "aborted" in (straight_dir / "logs" / "local-0.out").read_text()  # the tails were cut
+    assert cli("submit", write_config(tmp_path / "b", "split", steps=3, **options), cwd=tmp_path / "b").returncode == 0
+    split_dir = tmp_path / "b" / "runs" / "split"
+    done = cli("resume", split_dir, "--set", "algorithm.steps=6", cwd=tmp_path / "b")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+    rows = logged(straight_dir)
+    assert sorted(logged(split_dir)) == sorted(rows) and len(rows) == len(set(rows)) == 6 * 4 * 2
+    assert Counter((s, d) for s, _, d, _ in rows) == Counter({(s, d): 2 * 2 for s in range(6) for d in (0, 1)})
+    assert final_weights(split_dir) == final_weights(straight_dir)
+    cfg = load_config(straight_dir / "config.resolved.yaml")
+    stream = load_task(cfg.task, data_dir=straight_dir / "data").prompts(cfg.run.seed)
+    by_step: dict[int, dict[int, set]] = {}
+    for s, p, d, _ in rows:
+        source, pos = stream.cursor(p)
+        assert source == d
+        by_step.setdefault(s, {0: set(), 1: set()})[d].add(pos)
+    passed_over = 0
+    for d in (0, 1):
+        seen: set = set()
+        for s in range(6):
+            assert not seen & by_step[s][d]  # each position of the source's stream trained once
+            if s:  # what step s-1 passed over (below the highest it trained) is trained at step s
+                skipped = set(range(max(by_step[s - 1][d]))) - seen
+                assert skipped <= by_step[s][d]
+                passed_over += len(skipped)
+            seen |= by_step[s][d]
+        assert len(set(range(max(seen) + 1)) - seen) <= 1  # nothing skipped but the last step's deferred one
+    assert passed_over  # the choice depended on which groups finished first
+    with TrajectoryReader(straight_dir) as r:
+        m = r.metrics()
+    assert m["deferred_prompts"].tolist() == [2.0] * 6 and m["retried_prompts"].tolist() == [0.0] + [2.0] * 5

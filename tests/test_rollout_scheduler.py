@@ -18,14 +18,17 @@ from rollout_hpc.store.trajlog import TrajectoryReader
 
 def play(sampler: PromptSampler, steps: int, rng: np.random.Generator) -> list[tuple[np.ndarray, np.ndarray]]:
     """Run the rule for `steps` steps, the fresh groups finishing in a random order: (the step's retries, what it
-    trained) per step, every rank's together."""
-    history = []
+    trained) per step, every rank's together. Each source of a mixture fills its own quota."""
+    history, source = [], sampler.layout.domain_of
     for _ in range(steps):
         trained, retries = {}, []
         for rank in range(sampler.n_ranks):
             retry, fresh = sampler.candidates(rank)
-            need = sampler.quotas[rank] - len(retry)
-            trained[rank] = np.concatenate([retry, rng.permutation(fresh)[:need]])
+            took = [retry]
+            for k, quota in enumerate(sampler.source_quotas[rank]):
+                need = quota - int((source(retry) == k).sum())
+                took.append(rng.permutation(fresh[source(fresh) == k])[:need])
+            trained[rank] = np.concatenate(took)
             retries.append(retry)
         sampler.advance(trained)
         history.append((np.concatenate(retries), np.concatenate(list(trained.values()))))
@@ -40,7 +43,7 @@ def test_every_prompt_is_trained_once_and_a_deferred_one_at_the_next_step(prompt
     assert len(trained) == len(set(trained.tolist())) == 12 * prompts  # each once, P a step
     # Nothing is skipped: every prompt below the cursor is trained, or is one of the retries still owed.
     owed = np.concatenate(sampler.retries)
-    assert sorted([*trained.tolist(), *owed.tolist()]) == list(range(sampler.cursor))
+    assert sorted([*trained.tolist(), *owed.tolist()]) == list(range(sampler.cursors[0]))
     assert len(owed) == extra
     for s, (retries, ids) in enumerate(history):
         assert set(retries.tolist()) <= set(ids.tolist())  # the step trains every retry it owes
@@ -95,7 +98,7 @@ def test_with_dynamic_sampling_each_prompt_is_taken_once_and_a_step_trains_its_q
     assert len(took) == len(set(took.tolist()))  # taken once: trained, or dropped as uninformative, never retried
     owed = np.concatenate(sampler.retries)
     assert len(owed) <= extra
-    assert sorted([*took.tolist(), *owed.tolist()]) == list(range(sampler.cursor))  # nothing skipped
+    assert sorted([*took.tolist(), *owed.tolist()]) == list(range(sampler.cursors[0]))  # nothing skipped
     assert all(len(ok) <= prompts for _, ok in history)  # never more informative groups than the step trains
     assert any(len(t) > prompts for t, _ in history)  # dropped groups were replaced within the step
 
@@ -107,7 +110,7 @@ def test_with_dynamic_sampling_the_trainers_check_the_informative_count():
     sampler.advance({0: np.array([0, 1, 3])}, {0: 2})  # 0 dropped, 1 and 3 trained, 2 deferred
     assert sampler.candidates(0)[0].tolist() == [2]
     sampler.advance({0: np.array([2, 4, 5, 6])}, {0: 0})  # none informative: it took all its candidates
-    assert sampler.cursor == 7 and not len(sampler.retries[0])
+    assert sampler.cursors.tolist() == [7] and not len(sampler.retries[0])
 
 
 def test_with_dynamic_sampling_a_rank_owing_less_than_its_share_keeps_its_retries_through_the_weight_sync():
@@ -130,7 +133,7 @@ def test_the_state_survives_a_checkpoint_the_weight_sync_and_a_new_generator_cou
     again.load_state_dict(sampler.state_dict())
     sent = PromptSampler.from_meta(cfg, json.loads(json.dumps(sampler.meta())))
     for other in (again, sent):
-        assert other.cursor == sampler.cursor
+        assert other.cursors.tolist() == sampler.cursors.tolist()
         assert [r.tolist() for r in other.retries] == [r.tolist() for r in sampler.retries]
     one = PromptSampler(6, 3, 1)  # resumed with one generator rank instead of two: it owes every retry
     one.load_state_dict(sampler.state_dict())
@@ -142,6 +145,63 @@ def test_the_state_survives_a_checkpoint_the_weight_sync_and_a_new_generator_cou
     wide.load_state_dict(narrow.state_dict())
     assert [len(r) for r in wide.retries] == [1, 1, 0]
     play(wide, 3, np.random.default_rng(4))
+
+
+@pytest.mark.parametrize(
+    ("quotas", "extra", "ranks"), [([3, 1], 2, 1), ([3, 1, 2], 3, 2), ([1, 4], 4, 3), ([2, 2], 1, 2)]
+)
+def test_a_mixture_keeps_each_sources_quota_and_trains_each_prompt_once(quotas, extra, ranks):
+    sampler = PromptSampler(sum(quotas), extra, ranks, quotas)
+    assert [sum(q) for q in sampler.source_quotas] == sampler.quotas  # each rank's slice of the block, by source
+    assert [sum(x) for x in sampler.source_extras] == sampler.extras
+    assert all(x <= q for qs, xs in zip(sampler.source_quotas, sampler.source_extras) for q, x in zip(qs, xs))
+    history = play(sampler, 12, np.random.default_rng(len(quotas) + ranks))
+    layout = sampler.layout
+    for _, ids in history:  # every step trains each source's quota, whatever finished first
+        assert np.bincount(layout.domain_of(ids), minlength=len(quotas)).tolist() == quotas
+    trained = np.concatenate([ids for _, ids in history])
+    assert len(trained) == len(set(trained.tolist()))
+    owed = np.concatenate(sampler.retries)
+    for k in range(len(quotas)):  # each source's own stream: every position below its cursor trained or owed
+        mine = np.concatenate([trained, owed])
+        positions = layout.split(mine[layout.domain_of(mine) == k])[1]
+        assert sorted(positions.tolist()) == list(range(sampler.cursors[k]))
+    # its state through the weight sync, and dealt out again over another generator count
+    sent = PromptSampler(sum(quotas), extra, ranks, quotas)
+    sent.load_state_dict(json.loads(json.dumps(sampler.meta())))
+    assert sent.cursors.tolist() == sampler.cursors.tolist()
+    assert [r.tolist() for r in sent.retries] == [r.tolist() for r in sampler.retries]
+    other = PromptSampler(sum(quotas), extra, ranks % 3 + 1, quotas)
+    other.load_state_dict(sampler.state_dict())
+    assert sorted(np.concatenate(other.retries).tolist()) == sorted(owed.tolist())
+    for rank, retry in enumerate(other.retries):  # no rank owes more of a source than it trains of it
+        assert (np.bincount(layout.domain_of(retry), minlength=len(quotas)) <= other.source_quotas[rank]).all()
+    play(other, 3, np.random.default_rng(5))
+    with pytest.raises(ValueError, match="2 data sources, the config 1"):
+        PromptSampler(sum(quotas), extra, ranks).load_state_dict(PromptSampler(4, 1, 1, [3, 1]).state_dict())
+
+
+def test_a_mixtures_rule_is_checked_and_picked_per_source():
+    sampler = PromptSampler(4, 2, 1, [2, 2])  # each source: quota 2 + 1 extra
+    retry, fresh = sampler.candidates(0)
+    assert not len(retry) and fresh.tolist() == [0, 1, 2, 3, 4, 6]  # sums 0, 1 and 4; words 2, 3 and 6
+    with pytest.raises(ValueError, match="3 prompts of source 1 trained, its share is 2"):
+        sampler.advance({0: np.array([0, 1, 2, 3, 6])})
+    G = 2
+    done = np.full(6 * G, -1)  # candidate groups in that order
+    done[[0, 1, 2, 3, 8, 9]] = 1  # sums 0, 1 and 4 finished (a tie: stream order); no words yet
+    assert sampler.pick(0, done, G) is None
+    done[[10, 11]], done[[4, 5]] = 4, 3  # words 6, then words 2
+    assert sampler.pick(0, done, G).tolist() == [0, 1, 2, 5]  # sums 0, 1; words 2, 6
+    sampler.advance({0: np.array([0, 1, 2, 6])})
+    retry, fresh = sampler.candidates(0)
+    assert retry.tolist() == [3, 4] and fresh.tolist() == [5, 7, 8, 10]  # a retry of each source, then fresh
+    # With dynamic sampling: a source is whole with its quota of informative groups, or all of its candidates.
+    assert not sampler.share_complete(0, np.array([3, 4, 5]), np.array([2, 1]))
+    assert sampler.share_complete(0, np.array([3, 4, 5, 7, 8, 10]), np.array([1, 2]))
+    assert not sampler.share_complete(0, np.array([3, 4, 5, 7, 8]), np.array([1, 1]))  # words: 1 of 2, 2 of 3 held
+    with pytest.raises(ValueError, match="1 informative groups among the 2 prompts of source 1 taken"):
+        sampler.advance({0: np.array([3, 4, 5, 7])}, {0: np.array([2, 1])})
 
 
 def test_the_step_takes_the_groups_that_finish_first():

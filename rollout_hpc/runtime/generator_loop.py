@@ -44,6 +44,7 @@ from rollout_hpc.runtime.step_plan import (
     group_informative,
     informative_groups,
     rank_share,
+    stamp_domains,
     uses_dynamic_sampling,
 )
 
@@ -183,10 +184,11 @@ def generate_unscored(gen, dataset, prompt_indices, group_size: int, gen_rank: i
         t_start=t_start,
         t_end=t_start,
     )
-    domain_of = getattr(dataset, "domain_of", None)  # a mixed dataset: each record names its source
-    if domain_of is not None:
-        batch.fixed["domain"] = domain_of(batch.fixed["prompt_id"])
-    return batch, [("train", i) for i, _ in rows], [gen.tokenizer.decode(ids) for ids in out.response_ids]
+    return (
+        stamp_domains(batch, dataset),
+        [("train", i) for i, _ in rows],
+        [gen.tokenizer.decode(ids) for ids in out.response_ids],
+    )
 
 
 def generate_with_refills(world, cfg, plan, gen, dataset, exchange, workers, version: int) -> None:

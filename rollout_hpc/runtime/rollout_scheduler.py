@@ -43,6 +43,8 @@ import torch
 
 from rollout_hpc.backends.generator import derive_seed, episode_batch, stop_string_end, trajectory_batch
 from rollout_hpc.envs.base import dataset_item
+from rollout_hpc.envs.datafile import QuotaLayout
+from rollout_hpc.runtime.step_plan import domain_quotas, stamp_domains
 from rollout_hpc.trajectory import TrajectoryBatch
 
 RETRY = 1  # the seed part that tells a retried prompt's samples from its first attempt's
@@ -53,65 +55,142 @@ def _split(total: int, n_ranks: int) -> list[int]:
     return [len(part) for part in np.array_split(np.arange(total), n_ranks)]
 
 
+def _apportion(total: int, weights: list[int]) -> list[int]:
+    """`total` split in proportion to `weights` by largest remainders (ties: the first): each part is at most
+    ceil(total x w / sum w), so no source gets more extra prompts than its quota while total <= sum(weights)."""
+    whole = sum(weights)
+    if not whole:
+        return [0] * len(weights)
+    exact = [total * w / whole for w in weights]
+    parts = [int(e) for e in exact]
+    for k in sorted(range(len(weights)), key=lambda k: (parts[k] - exact[k], k))[: total - sum(parts)]:
+        parts[k] += 1
+    return parts
+
+
 class PromptSampler:
-    """Which prompts each generator rank generates at the next step, with generator.extra_prompts: the stream's
-    cursor and each rank's retries. Owned by the trainers (checkpointed); generators get it with the weights."""
+    """Which prompts each generator rank generates at the next step, with generator.extra_prompts: each source's
+    cursor and each rank's retries. Owned by the trainers (checkpointed); generators get it with the weights.
+
+    A mixed dataset (envs.datafile.QuotaLayout) keeps its quotas: rank r's share of the step is its contiguous
+    slice of the layout's block (as without extra prompts), so it owes q[r][k] prompts of source k; its extra prompts
+    are split over those sources in proportion; the pick rule runs per source, and each source has its own cursor in
+    its own stream. With one source all of this is the plain rule."""
 
     CHECKPOINT_KEY = "prompt_sampler"
 
-    def __init__(self, prompts_per_step: int, extra_prompts: int, n_ranks: int):
+    def __init__(self, prompts_per_step: int, extra_prompts: int, n_ranks: int, quotas: list[int] | None = None):
+        self.layout = QuotaLayout(quotas or [prompts_per_step])
         self.quotas = _split(prompts_per_step, n_ranks)
         self.extras = _split(extra_prompts, n_ranks)
-        self.cursor = 0  # the next fresh prompt of the stream
+        K, edges = len(self.layout.quotas), np.cumsum([0, *self.quotas])
+        # rank r's slice [edges[r], edges[r+1]) of the block meets source k's [starts[k], starts[k+1])
+        lo, hi = self.layout.starts[:-1], self.layout.starts[1:]
+        self.source_quotas = [
+            [int(max(0, min(hi[k], edges[r + 1]) - max(lo[k], edges[r]))) for k in range(K)] for r in range(n_ranks)
+        ]
+        self.source_extras = [_apportion(x, q) for x, q in zip(self.extras, self.source_quotas)]
+        self.cursors = np.zeros(K, np.int64)  # per source: the next fresh position of its own stream
         self.retries: list[np.ndarray] = [np.empty(0, np.int64) for _ in range(n_ranks)]
 
     @classmethod
     def for_config(cls, cfg) -> PromptSampler:
-        return cls(cfg.algorithm.prompts_per_step, cfg.generator.extra_prompts, cfg.generator.ranks)
+        return cls(cfg.algorithm.prompts_per_step, cfg.generator.extra_prompts, cfg.generator.ranks, domain_quotas(cfg))
 
     @property
     def n_ranks(self) -> int:
         return len(self.quotas)
 
-    def _fresh_counts(self) -> list[int]:
-        return [q + x - len(r) for q, x, r in zip(self.quotas, self.extras, self.retries)]
+    @property
+    def n_sources(self) -> int:
+        return len(self.layout.quotas)
+
+    def _fresh_counts(self) -> np.ndarray:
+        """[rank, source]: fresh prompts each rank generates of each source at the coming step."""
+        owed = np.array([np.bincount(self.layout.domain_of(r), minlength=self.n_sources) for r in self.retries])
+        return np.array(self.source_quotas) + np.array(self.source_extras) - owed.reshape(self.n_ranks, -1)
 
     def candidates(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
         """(retries, fresh prompts) of generator group rank `rank` for the coming step, in stream order."""
         counts = self._fresh_counts()
-        start = self.cursor + sum(counts[:rank])
-        return self.retries[rank], np.arange(start, start + counts[rank], dtype=np.int64)
+        fresh = [
+            self.layout.index(k, self.cursors[k] + counts[:rank, k].sum() + np.arange(counts[rank, k]))
+            for k in range(self.n_sources)
+        ]
+        return self.retries[rank], np.sort(np.concatenate(fresh)).astype(np.int64)
 
-    def advance(self, trained: dict[int, np.ndarray], informative: dict[int, int] | None = None) -> int:
+    def pick(self, rank: int, done_at: np.ndarray, group_size: int, informative: np.ndarray | None = None):
+        """pick_groups for rank `rank`'s candidates (retries first, then fresh, as `candidates` lists them), source by
+        source: each source's retries plus its first groups to finish, up to its quota. None while not known."""
+        retry, fresh = self.candidates(rank)
+        if self.n_sources == 1:
+            return pick_groups(done_at, group_size, len(retry), self.quotas[rank], informative)
+        domains = self.layout.domain_of(np.concatenate([retry, fresh]))
+        rows = done_at.reshape(-1, group_size)
+        taken = []
+        for k in range(self.n_sources):
+            mine = np.flatnonzero(domains == k)  # retries of source k first: candidates are retries, then fresh
+            sub = None if informative is None else np.asarray(informative)[mine]
+            got = pick_groups(
+                rows[mine].reshape(-1), group_size, int((mine < len(retry)).sum()), self.source_quotas[rank][k], sub
+            )
+            if got is None:
+                return None
+            taken.append(mine[got])
+        return np.sort(np.concatenate(taken))
+
+    def share_complete(self, rank: int, held: np.ndarray, informative) -> bool:
+        """With dynamic sampling: whether the trainers hold all that rank `rank` sends at this step, given the
+        prompts of the whole groups they hold of it (`held`) and the informative groups among them (an int, or per
+        source): each source's quota of informative groups, or all of that source's candidates. A rank's batch
+        puts its dropped groups first, so holding the informative groups means holding the rest."""
+        retry, fresh = self.candidates(rank)
+        mine = self.layout.domain_of(np.concatenate([retry, fresh]))
+        got = self.layout.domain_of(np.asarray(held, np.int64))
+        informative = np.broadcast_to(np.asarray(informative, np.int64), (self.n_sources,))
+        return all(
+            informative[k] >= self.source_quotas[rank][k] or (got == k).sum() == (mine == k).sum()
+            for k in range(self.n_sources)
+        )
+
+    def advance(self, trained: dict[int, np.ndarray], informative: dict | None = None) -> int:
         """After a step: `trained` = {generator group rank: prompts its step took}. Checks them against the rule
-        (every retry, P_r prompts, only candidates; with dynamic sampling, `informative` = {rank: informative groups
-        among them}: P_r of them, or every candidate taken) and moves on; returns how many prompts were deferred."""
-        retries = []
+        (every retry, its quota of each source, only candidates; with dynamic sampling, `informative` = {rank:
+        informative groups among them, an int or one per source}: each source's quota of them, or all of that
+        source's candidates taken) and moves on; returns how many prompts were deferred."""
+        counts, retries = self._fresh_counts(), []
         for rank in range(self.n_ranks):
             retry, fresh = self.candidates(rank)
+            both = np.concatenate([retry, fresh])
             got = np.unique(np.asarray(trained.get(rank, ()), np.int64))
-            quota, problem = self.quotas[rank], None
+            problem = None
             if not np.isin(retry, got).all():
                 problem = f"retried prompts {np.setdiff1d(retry, got)[:5].tolist()} are missing"
-            elif not np.isin(got, np.concatenate([retry, fresh])).all():
-                problem = (
-                    f"prompts {np.setdiff1d(got, np.concatenate([retry, fresh]))[:5].tolist()} were not its to run"
-                )
-            elif informative is None and len(got) != quota:
-                problem = f"{len(got)} prompts trained, its share is {quota}"
-            elif informative is not None and informative.get(rank, 0) != quota and len(got) != len(retry) + len(fresh):
-                problem = (
-                    f"{informative.get(rank, 0)} informative groups among the {len(got)} prompts taken, its share is "
-                    f"{quota} (fewer only when it took all {len(retry) + len(fresh)} candidates)"
-                )
+            elif not np.isin(got, both).all():
+                problem = f"prompts {np.setdiff1d(got, both)[:5].tolist()} were not its to run"
+            else:
+                useful = None if informative is None else np.broadcast_to(informative.get(rank, 0), (self.n_sources,))
+                got_k, all_k = self.layout.domain_of(got), self.layout.domain_of(both)
+                for k, quota in enumerate(self.source_quotas[rank]):
+                    source = f" of source {k}" if self.n_sources > 1 else ""
+                    n_got, n_all = int((got_k == k).sum()), int((all_k == k).sum())
+                    if useful is None and n_got != quota:
+                        problem = f"{n_got} prompts{source} trained, its share is {quota}"
+                    elif useful is not None and int(useful[k]) != quota and n_got != n_all:
+                        problem = (
+                            f"{int(useful[k])} informative groups among the {n_got} prompts{source} taken, its share "
+                            f"is {quota} (fewer only when it took all {n_all} candidates)"
+                        )
+                    if problem:
+                        break
             if problem:
                 raise ValueError(
                     f"generator rank {rank}: {problem} (candidates: retries {retry.tolist()}, fresh "
-                    f"[{fresh[0] if len(fresh) else self.cursor}, +{len(fresh)})): generators and trainers disagree "
+                    f"{fresh[:8].tolist()}{'...' if len(fresh) > 8 else ''}): generators and trainers disagree "
                     "on the prompt sampler"
                 )
             retries.append(np.setdiff1d(fresh, got))
-        self.cursor += sum(self._fresh_counts())
+        self.cursors = self.cursors + counts.sum(axis=0)
         self.retries = retries
         return sum(len(r) for r in retries)
 
@@ -119,15 +198,25 @@ class PromptSampler:
 
     def state_dict(self) -> dict:
         ranks = np.concatenate([np.full(len(r), i, np.int64) for i, r in enumerate(self.retries)])
-        return {
-            "cursor": np.int64(self.cursor),
+        state = {
             "retries": np.concatenate(self.retries),
             "retry_ranks": ranks,
             "n_ranks": np.int64(self.n_ranks),
         }
+        if self.n_sources == 1:  # one source: its cursor is the stream's (the format before mixtures)
+            state["cursor"] = np.int64(self.cursors[0])
+        else:
+            state["cursors"] = self.cursors.copy()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.cursor = int(state["cursor"])
+        cursors = np.atleast_1d(np.asarray(state["cursors"] if "cursors" in state else state["cursor"], np.int64))
+        if len(cursors) != self.n_sources:
+            raise ValueError(
+                f"generator.extra_prompts: the checkpoint's prompt sampler has {len(cursors)} data sources, the "
+                f"config {self.n_sources}: a resumed run keeps task.params.train's sources"
+            )
+        self.cursors = cursors.copy()
         retries, ranks = np.asarray(state["retries"], np.int64), np.asarray(state["retry_ranks"], np.int64)
         counts = np.bincount(ranks, minlength=self.n_ranks) if len(ranks) else np.zeros(self.n_ranks, np.int64)
         if "n_ranks" in state:  # with dynamic sampling a rank may owe fewer than its share of the extra prompts
@@ -135,13 +224,23 @@ class PromptSampler:
         else:  # a checkpoint from before n_ranks was saved: each rank owed exactly its share after the first step
             regroup = len(counts) > self.n_ranks or bool(len(retries) and counts.tolist() != self.extras)
         if regroup:
-            # The generator group changed size since the checkpoint: deal the retries out again, in order, as many
-            # to each rank as its share of the extra prompts (never more than it trains in a step).
-            bounds = np.cumsum([0, *self.extras])
-            merged = np.sort(retries)
-            self.retries = [merged[bounds[i] : bounds[i + 1]] for i in range(self.n_ranks)]
+            self.retries = self._deal(np.sort(retries))
             return
         self.retries = [retries[ranks == i] for i in range(self.n_ranks)]
+
+    def _deal(self, retries: np.ndarray) -> list[np.ndarray]:
+        """The generator group changed size since the checkpoint: deal the retries out again, in order, each source's
+        to the ranks that owe that source, as many to each as its share of the extra prompts, then (where the shares
+        moved between sources) up to its quota: a step must be able to train every retry it owes."""
+        dealt: list[list[np.ndarray]] = [[] for _ in range(self.n_ranks)]
+        for k in range(self.n_sources):
+            todo = retries[self.layout.domain_of(retries) == k]
+            room = [self.source_extras[r][k] for r in range(self.n_ranks)]
+            for cap in (room, [self.source_quotas[r][k] - room[r] for r in range(self.n_ranks)]):
+                for r in range(self.n_ranks):
+                    dealt[r].append(todo[: cap[r]])
+                    todo = todo[cap[r] :]
+        return [np.sort(np.concatenate(parts)).astype(np.int64) for parts in dealt]
 
     def meta(self) -> dict:
         """state_dict() as JSON data (what the weight sync carries)."""
@@ -210,7 +309,7 @@ Informative = Callable[[np.ndarray, np.ndarray], np.ndarray] | None
 
 
 def _candidate_rows(gen, share: RankShare):
-    """(retries, [(prompt, sample)] rows of every candidate, their seeds) of this rank's step; None without any.
+    """([(prompt, sample)] rows of every candidate, retries first, and their seeds) of this rank's step; None without any.
     A retry's samples are drawn afresh (RETRY), not replaying the tail they were cut from."""
     retry, fresh = share.sampler.candidates(share.rank)
     G = share.group_size
@@ -222,7 +321,7 @@ def _candidate_rows(gen, share: RankShare):
         derive_seed(gen.seed, i, s, RETRY) if r < len(retry) * G else derive_seed(gen.seed, i, s)
         for r, (i, s) in enumerate(rows)
     ]
-    return retry, rows, seeds
+    return rows, seeds
 
 
 def _chosen_rows(groups: np.ndarray, group_ok: np.ndarray | None, G: int) -> np.ndarray:
@@ -241,8 +340,8 @@ def scheduled_rollout(
     None when the rank has no prompts this step."""
     if (got := _candidate_rows(gen, share)) is None:
         return None
-    (retry, rows, seeds), G, t_start = got, share.group_size, time.time()
-    n, quota = len(rows), share.sampler.quotas[share.rank]
+    (rows, seeds), G, t_start = got, share.group_size, time.time()
+    n = len(rows)
     tokens = {i: gen.encode_prompt(dataset_item(dataset, i)) for i, s in rows if s == 0}
     keys = [("train", i) for i, _ in rows]
     stops = gen.sampling.stop
@@ -293,7 +392,7 @@ def scheduled_rollout(
             waiting.extend(new.tolist())
         take_scores(wait=False)
         send_waiting()
-        picked[0] = pick_groups(done_at, G, len(retry), quota, group_ok)
+        picked[0] = share.sampler.pick(share.rank, done_at, G, group_ok)
         return picked[0] is not None
 
     try:
@@ -307,14 +406,14 @@ def scheduled_rollout(
             waiting[:] = [i for i in range(n) if results[i] is None]  # nothing is in flight now
             send_waiting()
             take_scores(wait=True)
-            picked[0] = pick_groups(done_at, G, len(retry), quota, group_ok)
+            picked[0] = share.sampler.pick(share.rank, done_at, G, group_ok)
         take_scores(wait=True)
     finally:
         scoring.shutdown(wait=True)
     aborted = int((done_at < 0).sum())
     if picked[0] is None:  # every row ran to max_new_tokens: the truncated ones count as finished there
         done_at[done_at < 0] = gen.sampling.max_new_tokens
-        picked[0] = pick_groups(done_at, G, len(retry), quota)
+        picked[0] = share.sampler.pick(share.rank, done_at, G)
         aborted = 0
     groups = picked[0]
     assert groups is not None  # every row is finished now
@@ -339,6 +438,7 @@ def scheduled_rollout(
         t_start=t_start,
         t_end=t_start,
     )
+    stamp_domains(batch, dataset)
     return ScheduledRollout(batch, [keys[i] for i in chosen], texts, [results[i] for i in chosen], aborted)
 
 
@@ -348,8 +448,8 @@ def scheduled_episodes(gen, dataset, share: RankShare, informative: Informative 
     episodes score themselves, so `keys`, `texts` and `results` stay empty. None when the rank has no prompts."""
     if (got := _candidate_rows(gen, share)) is None:
         return None
-    (retry, rows, seeds), G, t_start = got, share.group_size, time.time()
-    n, quota = len(rows), share.sampler.quotas[share.rank]
+    (rows, seeds), G, t_start = got, share.group_size, time.time()
+    n = len(rows)
     items = {i: dataset_item(dataset, i) for i, s in rows if s == 0}
     done_at = np.full(n, -1, np.int64)
     group_ok = None if informative is None else np.full(n // G, -1, np.int8)
@@ -372,7 +472,7 @@ def scheduled_episodes(gen, dataset, share: RankShare, informative: Informative 
             done_at[ended] = clock[0]
             judge(np.unique(np.asarray(ended) // G), eps)
         clock[0] += 1
-        picked[0] = pick_groups(done_at, G, len(retry), quota, group_ok)
+        picked[0] = share.sampler.pick(share.rank, done_at, G, group_ok)
         return picked[0] is not None
 
     labels = [f"prompt {i} sample {s}" for i, s in rows]  # what the rank's log names
@@ -381,7 +481,7 @@ def scheduled_episodes(gen, dataset, share: RankShare, informative: Informative 
     if picked[0] is None:  # every episode has ended (some perhaps before the last watch saw them)
         done_at[done_at < 0] = clock[0]
         judge(range(n // G), eps)
-        picked[0] = pick_groups(done_at, G, len(retry), quota, group_ok)
+        picked[0] = share.sampler.pick(share.rank, done_at, G, group_ok)
         aborted = 0
     groups = picked[0]
     assert groups is not None  # every episode has ended now

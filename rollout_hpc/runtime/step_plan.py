@@ -51,6 +51,14 @@ def domain_quotas(cfg) -> list[int]:
     return [int(src["quota"]) for src in sources] if sources else [cfg.algorithm.prompts_per_step]
 
 
+def stamp_domains(batch: TrajectoryBatch, dataset) -> TrajectoryBatch:
+    """A mixed dataset's records name their source (the log's `domain`; per-domain metrics and normalisation)."""
+    domain_of = getattr(dataset, "domain_of", None)
+    if domain_of is not None:
+        batch.fixed["domain"] = domain_of(batch.fixed["prompt_id"])
+    return batch
+
+
 def domain_names(cfg) -> list[str]:
     """The sources of a mixed dataset, in order ([] for any other task)."""
     return [str(src["name"]) for src in cfg.task.sources() or []]

@@ -125,22 +125,22 @@ class StepReceiver:
         deferred = s.advance(trained, informative)
         return batch, ScheduledStep(np.unique(f["prompt_id"].astype(np.int64)), retried, deferred)
 
-    def _informative(self, batch: TrajectoryBatch) -> int:
-        """Informative groups among the whole groups of `batch` (dynamic sampling's test; one source: extra prompts
-        refuse mixed datasets)."""
+    def _whole_groups(self, batch: TrajectoryBatch) -> TrajectoryBatch:
         ids, counts = np.unique(batch.fixed["prompt_id"], return_counts=True)
-        whole = np.isin(batch.fixed["prompt_id"], ids[counts == self.G])
-        return int(informative_groups(self.cfg, batch.select(whole)))
+        return batch.select(np.isin(batch.fixed["prompt_id"], ids[counts == self.G]))
+
+    def _informative(self, batch: TrajectoryBatch):
+        """Informative groups among the whole groups of `batch` (dynamic sampling's test): a count, or one per source
+        of a mixed dataset."""
+        return informative_groups(self.cfg, self._whole_groups(batch))
 
     def _share_complete(self, rank: int, candidates: np.ndarray) -> bool:
         """Whether the pool holds all that generator rank `rank` sends at this step (generator.extra_prompts with
-        dynamic sampling): its quota of informative groups, or all of its candidates. A rank's batch travels whole,
-        its dropped groups first, so holding the informative groups means holding the rest."""
+        dynamic sampling): PromptSampler.share_complete of the whole groups held."""
         assert self.sampler is not None
-        got = self.pool.select(self._in(candidates) & (self.pool.fixed["gen_rank"] == rank))
-        if len(got) == len(candidates) * self.G:
-            return True
-        return self._informative(got) >= self.sampler.quotas[rank]
+        got = self._whole_groups(self.pool.select(self._in(candidates) & (self.pool.fixed["gen_rank"] == rank)))
+        held = np.unique(got.fixed["prompt_id"]).astype(np.int64)
+        return self.sampler.share_complete(rank, held, informative_groups(self.cfg, got))
 
     def get(self, step: int) -> tuple[TrajectoryBatch, StepPlan | ScheduledStep]:
         if self.sampler is not None:
