@@ -87,6 +87,17 @@ def test_sokoban_scripted_solve_of_a_known_level():
         env.step("U")
 
 
+def test_sokoban_shaping_pays_for_each_cell_the_box_nears_the_target():
+    env = SokobanEnv(max_turns=10, step_cost=0.05, shaping=0.2, instructions=False)
+    env.reset(Level.from_text(KNOWN))  # box (2, 2), target (3, 3): 2 cells apart
+    # walk, push it right (1 cell nearer), walk down, walk right (onto the target), push it up (1 cell farther)
+    assert [env.step(a)[1] for a in "DRDRU"] == pytest.approx([-0.05, -0.05 + 0.2, -0.05, -0.05, -0.05 - 0.2])
+    env.reset(Level.from_text(KNOWN))  # the solution: shaping adds 0.2 x 2 (potential-based: start - end distance)
+    assert sum(env.step(a)[1] for a in ["D", "R", "U", "R", "D"]) == pytest.approx(0.95 - 4 * 0.05 + 0.4)
+    with pytest.raises(ValueError, match="task.params.shaping must be >= 0"):
+        SokobanEnv(shaping=-1)
+
+
 def test_sokoban_invalid_action_bump_and_max_turns():
     env = SokobanEnv(max_turns=3, step_cost=0.05, invalid_penalty=0.1, instructions=False)
     start = env.reset(Level.from_text(KNOWN))

@@ -9,7 +9,10 @@ level is solvable. Text rendering uses the usual glyphs:
 
 Actions: U/D/L/R or up/down/left/right (first word, any case). Rewards per step:
 -step_cost for a move (also a bump into a wall), +1 more when the box reaches the target
-(the episode ends, solved), -invalid_penalty for text that is no action (nothing moves).
+(the episode ends, solved), -invalid_penalty for text that is no action (nothing moves), and with `shaping` > 0
+shaping x (how many cells nearer the target the move pushed the box; negative when farther): a potential-based
+term (Ng et al. 1999) that sums to shaping x (start distance - end distance) over an episode, so it ranks episodes of
+the same level that fail by how near they brought the box, without changing which play is best.
 The episode also ends after max_turns actions.
 """
 
@@ -142,8 +145,14 @@ class SokobanEnv:
         size: int = 5,
         interior_walls: int = 0,
         instructions: bool = True,
+        shaping: float = 0.0,
     ) -> None:
+        if shaping < 0:
+            raise ValueError(
+                f"task.params.shaping must be >= 0 (a reward per cell the box nears the target), got {shaping}"
+            )
         self.max_turns, self.step_cost, self.invalid_penalty = max_turns, step_cost, invalid_penalty
+        self.shaping = shaping
         self.size, self.interior_walls, self.instructions = size, interior_walls, instructions
         self.level: Level | None = None
 
@@ -162,6 +171,10 @@ class SokobanEnv:
         assert self.level is not None  # set by reset(), which every episode starts with
         return self.level.render(self.box, self.player) + "\n"
 
+    def _box_distance(self) -> int:
+        assert self.level is not None
+        return abs(self.box[0] - self.level.target[0]) + abs(self.box[1] - self.level.target[1])
+
     def step(self, action_text: str) -> tuple[str, float, bool, dict]:
         if self.level is None or self.done:
             raise RuntimeError("call reset() before step(), and again after an episode ends")
@@ -170,8 +183,9 @@ class SokobanEnv:
         if action is None:
             reward, note = -self.invalid_penalty, "invalid action; reply U, D, L or R\n"
         else:
+            before = self._box_distance()
             self.box, self.player = self.level.move(self.box, self.player, action)
-            reward, note = -self.step_cost, ""
+            reward, note = -self.step_cost + self.shaping * (before - self._box_distance()), ""
         solved = self.box == self.level.target
         if solved:
             reward += 1.0
