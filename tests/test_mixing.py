@@ -330,3 +330,46 @@ def test_extra_prompts_keep_each_sources_quota_and_resume_exactly_once(tmp_path)
     with TrajectoryReader(straight_dir) as r:
         m = r.metrics()
     assert m["deferred_prompts"].tolist() == [2.0] * 6 and m["retried_prompts"].tolist() == [0.0] + [2.0] * 5
+
+
+def test_dynamic_sampling_with_extra_prompts_keeps_each_sources_quota_of_informative_groups(tmp_path):
+    """Dynamic sampling, extra prompts and a mixture together (two generator ranks: sums on rank 0, words on rank 1;
+    each owes its source 2 groups a step and has 1 extra): sums' reward is the answer's length parity (informative
+    for some groups), words' a constant (never). Every step takes, per source, groups in finishing order until 2
+    are informative, or all 3 candidates; words always all 3; each prompt once; groups_kept counts the informative."""
+    write_data(tmp_path, n_words=4)
+    (tmp_path / "parity.py").write_text("def reward(prompt, text):\n    return float(len(text) % 2)\n")
+    stops = json.dumps(list("0123456789abcdefghijklmnopqrstuvwxyz"))
+    path = write_config(
+        tmp_path,
+        "mixdyn",
+        steps=6,
+        weights=(1, 1),
+        algorithm=f"dynamic_sampling: true, stop: {stops}",
+        max_new_tokens=6,
+        extra="generator: {extra_prompts: 2, tasks_per_node: 2}\neval: {every_steps: 0, at_start: false}",
+    )
+    path.write_text(path.read_text().replace("reward: exact", f'reward: "{tmp_path / "parity.py"}:reward"'))
+    done = cli("submit", path, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    run_dir = tmp_path / "runs" / "mixdyn"
+    with TrajectoryReader(run_dir) as r:
+        step, prompt, domain, reward = (r.column(c) for c in ("step", "prompt_id", "domain", "reward"))
+        kept = r.metrics()["groups_kept"]
+    assert len(set(prompt.tolist())) == len(set(zip(step.tolist(), prompt.tolist())))  # a prompt in one step only
+    replaced = 0
+    for s in range(6):
+        informative = 0
+        for d in (0, 1):
+            rows = (step == s) & (domain == d)
+            groups = [reward[rows & (prompt == p)] for p in np.unique(prompt[rows])]
+            useful = sum(np.ptp(g) > 0 for g in groups)
+            assert useful == 2 or len(groups) == 3, (s, d, [g.tolist() for g in groups])
+            assert useful <= 2 and len(groups) <= 3
+            if d == 1:
+                assert useful == 0 and len(groups) == 3  # words never teaches: it takes every candidate
+            replaced += d == 0 and useful == 2 and len(groups) == 3
+            informative += useful
+        assert kept[s] == informative
+    assert replaced  # sums dropped an uninformative group and took another within the step
+    assert (kept >= 1).all()
