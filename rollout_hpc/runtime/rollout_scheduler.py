@@ -122,9 +122,9 @@ class PromptSampler:
     def pick(self, rank: int, done_at: np.ndarray, group_size: int, informative: np.ndarray | None = None):
         """pick_groups for rank `rank`'s candidates (retries first, then fresh, as `candidates` lists them), source by
         source: each source's retries plus its first groups to finish, up to its quota. None while not known."""
+        if self.n_sources == 1:  # called at every generated token: no candidate list needed for one source
+            return pick_groups(done_at, group_size, len(self.retries[rank]), self.quotas[rank], informative)
         retry, fresh = self.candidates(rank)
-        if self.n_sources == 1:
-            return pick_groups(done_at, group_size, len(retry), self.quotas[rank], informative)
         domains = self.layout.domain_of(np.concatenate([retry, fresh]))
         rows = done_at.reshape(-1, group_size)
         taken = []
