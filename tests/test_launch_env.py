@@ -10,6 +10,7 @@ import textwrap
 
 from test_resume_local import write_run_config
 
+from rollout_hpc.launch.local import launch_env, require_mpirun
 from rollout_hpc.launch.mpi_env import fresh_job_env, inherited_rank_vars
 from rollout_hpc.store.trajlog import read_metrics
 
@@ -46,3 +47,30 @@ def test_only_the_running_jobs_variables_are_left_out():
     user = {"OMPI_MCA_btl": "self,vader", "OMPI_MCA_pml": "ob1", "PATH": "/usr/bin", "SLURM_JOB_ID": "7"}
     assert fresh_job_env({**inherited, **user}).items() >= user.items()
     assert inherited_rank_vars(fresh_job_env(inherited)) == []
+
+
+def test_local_jobs_authenticate_with_socket_credentials_unless_the_user_says_otherwise(monkeypatch):
+    """Without a munged to answer, Open MPI's PMIx retried munge for ~2.3 s at every mpirun (launch/local.py)."""
+    monkeypatch.delenv("PMIX_MCA_psec", raising=False)
+    assert launch_env()["PMIX_MCA_psec"] == "native"
+    monkeypatch.setenv("PMIX_MCA_psec", "munge")
+    assert launch_env()["PMIX_MCA_psec"] == "munge"
+    # A real mpirun under that environment starts and runs its processes.
+    monkeypatch.delenv("PMIX_MCA_psec")
+    done = subprocess.run(
+        [
+            require_mpirun(),
+            "--oversubscribe",
+            "-np",
+            "2",
+            sys.executable,
+            "-c",
+            "from mpi4py import MPI; print(MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size())",
+        ],
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(done.stdout.split("\n")[:2]) == ["0 2", "1 2"], done.stdout

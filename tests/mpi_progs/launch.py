@@ -21,6 +21,7 @@ PROGS = Path(__file__).resolve().parent
 def mpi_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1")
+    env.setdefault("PMIX_MCA_psec", "native")  # as the local launcher's (launch/local.py): no 2.3 s munge retries
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra or {})
     return env
