@@ -387,7 +387,8 @@ def test_task_env_reaches_the_generator(model, tmp_path):
     assert max(replies) == 3 and min(replies) >= 1  # up to 3 tokens a turn (a reply ends at EOS or the limit)
 
 
-def test_sokoban_demonstrations_are_the_episodes_the_generator_would_build():
+@pytest.mark.parametrize("hints", [False, True])
+def test_sokoban_demonstrations_are_the_episodes_the_generator_would_build(hints):
     """An SFT warm-up on a multi-turn task (warmup.sft_steps) teaches whole episodes: the solver's moves as the
     trained tokens, the environment's observations between them in the context with no loss: token for token the
     record the episode loop builds when the policy replies with those moves."""
@@ -397,7 +398,12 @@ def test_sokoban_demonstrations_are_the_episodes_the_generator_would_build():
 
     cfg = load_config(
         None,
-        ["task.name=sokoban", "task.params={size: 6, max_turns: 8}", "warmup.sft_steps=1", "warmup.batch_size=12"],
+        [
+            "task.name=sokoban",
+            f"task.params={{size: 6, max_turns: 8, hints: {str(hints).lower()}}}",
+            "warmup.sft_steps=1",
+            "warmup.batch_size=12",
+        ],
     )
     cfg = cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"max_new_tokens": 1})})
     task = load_task(cfg.task)

@@ -16,6 +16,7 @@ from rollout_hpc.envs import (
     parse_action,
     prompt_text,
 )
+from rollout_hpc.envs.sokoban import offset
 
 KNOWN = """
 #####
@@ -96,6 +97,20 @@ def test_sokoban_shaping_pays_for_each_cell_the_box_nears_the_target():
     assert sum(env.step(a)[1] for a in ["D", "R", "U", "R", "D"]) == pytest.approx(0.95 - 4 * 0.05 + 0.4)
     with pytest.raises(ValueError, match="task.params.shaping must be >= 0"):
         SokobanEnv(shaping=-1)
+
+
+def test_sokoban_hints_give_the_box_from_the_player_and_the_target_from_the_box():
+    env = SokobanEnv(max_turns=10, instructions=False, hints=True)
+    board = KNOWN.lstrip("\n")  # player (1, 1), box (2, 2), target (3, 3)
+    assert env.reset(Level.from_text(KNOWN)) == board + "box D1R1 goal D1R1\n"
+    assert env.step("R")[0].endswith("\nbox D1 goal D1R1\n")  # the player walked right: the box is below it
+    assert env.step("D")[0].endswith("\nbox D1 goal R1\n")  # pushed down: the box is now level with the target
+    assert env.step("jump")[0] == "invalid action; reply U, D, L or R\n" + env.render()
+    obs, _, done, info = [env.step(a) for a in "LDR"][-1]  # around the box, and push it right
+    assert info["solved"] and done and obs.endswith("box R1 goal 0\n")  # box on the target
+    assert [offset((2, 2), c) for c in [(0, 2), (2, 5), (2, 2), (3, 1)]] == ["U2", "R3", "0", "D1L1"]
+    level_text = load_task(TaskSection(name="sokoban", params={"hints": True})).prompts(0)[0].text
+    assert level_text.endswith("\n") and level_text.split("\n")[-2].startswith("box ")  # the first prompt too
 
 
 def test_sokoban_invalid_action_bump_and_max_turns():
