@@ -20,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from rollout_hpc.algos.table import ALGORITHM_NAMES, ALGORITHMS  # torch-free: the algorithm names come from the table
 from rollout_hpc.errors import ConfigError, UserError  # noqa: F401  (re-exported: config.UserError)
 
+GROUP_ESTIMATORS = ("group_normalized", "group_centered", "leave_one_out")  # baselines from a prompt's own samples
+
 # Values that reach the job script's #SBATCH lines are not shell-quoted there (sbatch reads them as they are), so
 # each is held to what Slurm accepts; a newline would end the #SBATCH line and start a shell command.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -482,6 +484,14 @@ class AlgorithmSection(_Section):
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(0.95, ge=0, le=1)
+    step_advantage_weight: float = Field(
+        0.0,
+        ge=0,
+        description="Multi-turn tasks, group-based algorithms (grpo, dapo, dr_grpo, rloo): GiGPO's step-level "
+        "advantage. Turns of one group's episodes that acted on the same observation are compared by their "
+        "return-to-go (discounted by gamma); this weight times that normalised difference is added to the "
+        "episode-level advantage of each turn's tokens. 0: off (every turn gets its episode's advantage).",
+    )
     dynamic_sampling: bool = Field(
         False,
         description="Drop groups whose rewards are all equal and refill the step with new prompts (on by default for dapo).",
@@ -793,6 +803,13 @@ class Config(_Section):
             self._check_colocated()
         if self.generator.extra_prompts:
             self._check_extra_prompts()
+        a = self.algorithm
+        if a.step_advantage_weight and ALGORITHMS[a.name].advantage not in GROUP_ESTIMATORS:
+            raise ValueError(
+                f"algorithm.step_advantage_weight compares the turns of one group's episodes, but algorithm "
+                f"'{a.name}' has no groups (its advantage: {ALGORITHMS[a.name].advantage}); use grpo, dr_grpo, dapo or "
+                "rloo, or set algorithm.step_advantage_weight: 0"
+            )
         cap = self.slurm.gpus_per_node
         for name in ("generator", "trainer"):
             g: GroupSection = getattr(self, name)

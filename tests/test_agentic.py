@@ -442,3 +442,73 @@ def test_a_multi_turn_sft_warmup_needs_demonstrations():
     task = load_task(cfg.task)
     with pytest.raises(DatasetError, match=r"no demonstration\(item\) method .* or set warmup.sft_steps: 0"):
         sft_batch(cfg, task, TOK, task.prompts(0), 0)
+
+
+KNOWN_LEVEL = "#####\n#@  #\n# $ #\n#  .#\n#####"  # player (1, 1), box (2, 2), target (3, 3)
+
+
+def test_step_advantages_compare_the_turns_that_acted_on_the_same_board():
+    """algorithm.step_advantage_weight (GiGPO): a group of scripted sokoban episodes played through the real episode
+    loop; the turn table finds the turns that saw the same board (checked against the boards a fresh environment
+    shows), their returns-to-go come from the environment's turn rewards, and the step-level advantage lands on
+    those turns' reply tokens only: (R - mean) / std over the turns that saw a board, 0 for a board seen once."""
+    from rollout_hpc.backends.episodes import rollout_episodes
+    from rollout_hpc.backends.generator import Generation, episode_batch
+    from rollout_hpc.envs.sokoban import Level
+    from rollout_hpc.runtime.objective import step_advantages
+    from rollout_hpc.runtime.records import turn_table
+
+    level = Level.from_text(KNOWN_LEVEL)
+    # 0 and 2 solve in 5 moves (pushing right then down, or down then right); 1 and 3 set out as they do and stray
+    plays = ["DRURD", "DRUUL", "RDLDR", "RDLLL"]
+    turn = [0] * len(plays)
+
+    def scripted(prompts, live):
+        ids = [[TOK.encode(plays[i][turn[i]])[0]] for i in live]
+        for i in live:
+            turn[i] += 1
+        return Generation(ids, [[-1.0]] * len(live), [False] * len(live))
+
+    make_env = lambda i: SokobanEnv(max_turns=5, instructions=False, hints=True)  # noqa: E731
+    eps = rollout_episodes(make_env, [level] * 4, scripted, TOK, 1, 512, EpisodeSettings(max_turns=5))
+    assert [e.success for e in eps] == [True, False, True, False]
+    common = dict(prompt_index=[0] * 4, sample_idx=[0, 1, 2, 3], gen_rank=0, policy_version=0, t_start=0.0)
+    batch = episode_batch(eps, common)
+    turns = turn_table(batch, gamma=1.0)
+    assert turns["row"].tolist() == [i for i in range(4) for _ in range(5)]
+
+    boards = []  # the board each turn acted on, from a fresh environment
+    for moves in plays:
+        env = make_env(0)
+        seen = [env.reset(level)]
+        seen += [env.step(m)[0] for m in moves[:-1]]
+        boards += seen
+    state = turns["state"].tolist()
+    assert all((state[a] == state[b]) == (boards[a] == boards[b]) for a in range(20) for b in range(20))
+    assert len(set(state)) < 20  # shared boards exist: all first turns, 0 and 1's first three, ...
+    returns = [sum(e.turn_rewards[k:]) for e in eps for k in range(5)]
+    assert turns["ret"].tolist() == pytest.approx(returns)
+    r = eps[1].turn_rewards
+    discounted = turn_table(batch, gamma=0.5)["ret"].tolist()[5:10]
+    assert discounted[3:] == pytest.approx([r[3] + 0.5 * r[4], r[4]])
+
+    expected = []
+    for k in range(20):
+        same = [returns[j] for j in range(20) if boards[j] == boards[k]]
+        expected.append(0.0 if len(same) == 1 else (returns[k] - np.mean(same)) / (np.std(same, ddof=1) + 1e-6))
+    tensors = collate(batch, TOK.pad_id)
+    adv = step_advantages(turns, 4, tensors["mask"])
+    assert (adv[tensors["mask"] == 0] == 0).all()
+    replies = [v for i in range(4) for v in adv[i][tensors["mask"][i] > 0].tolist()]
+    assert replies == pytest.approx(expected, abs=1e-5)
+    assert replies[0] > 0 > replies[5]  # the first move down: the episode that solved beats the one that strayed
+
+
+def test_step_advantage_weight_needs_a_multi_turn_task_and_a_group_algorithm(tmp_path):
+    (tmp_path / "c.yaml").write_text("task: {name: arithmetic}\nalgorithm: {step_advantage_weight: 1.0}\n")
+    with pytest.raises(TaskError, match="step_advantage_weight compares the turns of multi-turn episodes"):
+        check_task(load_config(tmp_path / "c.yaml", []))
+    with pytest.raises(Exception, match="algorithm 'ppo' has no groups"):
+        load_config(tmp_path / "c.yaml", ["task.name=sokoban", "algorithm.name=ppo"])
+    cfg = load_config(tmp_path / "c.yaml", ["task.name=sokoban", "algorithm.name=rloo"])
+    assert check_task(cfg) is not None

@@ -4,7 +4,7 @@ progress and resumed ends with the weights of an uninterrupted run and every epi
 once (the episodes cut off are replayed from their seeds); an environment that raises ends its episode with a
 counted error, never the run; the log, `analyze --json` and `samples` show the episodes turn by turn; eval plays
 held-out environment seeds and records their success rate; the same run as a Slurm het job gives the same weights
-and episodes."""
+and episodes. Every run here trains with GiGPO's step-level advantages (algorithm.step_advantage_weight)."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ task:
   params: {{slippery: false}}
   env: {{max_turns: 4, parallel_envs: 3, format_penalty: 0.1, step_timeout: 20}}
 model: {{max_seq_len: 200}}
-algorithm: {{steps: {STEPS}, prompts_per_step: {PROMPTS}, group_size: {GROUP}, max_new_tokens: 1}}
+algorithm: {{steps: {STEPS}, prompts_per_step: {PROMPTS}, group_size: {GROUP}, max_new_tokens: 1, step_advantage_weight: 1.0}}
 checkpoint: {{every_steps: 3, keep_last: 3}}
 eval: {{every_steps: 4, max_prompts: 6}}
 envs: {envs}

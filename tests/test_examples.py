@@ -24,8 +24,10 @@ def test_example_loads_and_renders(path, tmp_path):
     script = render_script(cfg, tmp_path / "run")
     (tmp_path / "job.sbatch").write_text(script)
     assert subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")]).returncode == 0
-    assert "#SBATCH" in script and "hetjob" in script
-    assert script.count("#SBATCH hetjob") == len(cfg.het_groups) - 1  # a reward or environment group: one more
+    assert "#SBATCH" in script
+    # One component per group (a reward or environment group: one more); colocated: one for generators and trainers
+    components = 1 if cfg.placement == "colocated" else len(cfg.het_groups)
+    assert script.count("#SBATCH hetjob") == components - 1
 
 
 def test_mixture_example_validates_on_the_sample_data(tmp_path):

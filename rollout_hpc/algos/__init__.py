@@ -13,6 +13,7 @@ from .table import ALGORITHM_NAMES, ALGORITHMS, Algorithm
 _WHERE = {
     **dict.fromkeys(
         [
+            "anchor_state_advantages",
             "broadcast_to_tokens",
             "discounted_returns",
             "gae",

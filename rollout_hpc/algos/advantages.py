@@ -62,6 +62,30 @@ def leave_one_out(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return (g - baseline).reshape(-1)
 
 
+def anchor_state_advantages(
+    groups: torch.Tensor, states: torch.Tensor, returns: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
+    """GiGPO's step-level advantages (Feng et al. 2025, "Group-in-Group Policy Optimization for LLM Agent
+    Training"), one value per turn. Within a group (the episodes of one prompt), the turns that acted on the same
+    observation (an anchor state: equal `states` ids) are compared by their returns-to-go: (R - mean) / (std + eps),
+    std with Bessel's correction as group_normalized; a state that occurs once in its group gets 0 (nothing acted
+    on it differently). groups, states (int64) and returns: [N], one entry per turn. Returns [N]."""
+    if not groups.shape == states.shape == returns.shape or returns.dim() != 1:
+        raise ValueError(
+            f"groups, states and returns must be [N] each, one entry per turn; got shapes {tuple(groups.shape)}, "
+            f"{tuple(states.shape)}, {tuple(returns.shape)}"
+        )
+    if not len(returns):
+        return returns.clone()
+    _, key, counts = torch.unique(torch.stack([groups, states], 1), dim=0, return_inverse=True, return_counts=True)
+    n = counts.to(returns.dtype)
+    mean = torch.zeros_like(n).index_add_(0, key, returns) / n
+    dev = returns - mean[key]
+    var = torch.zeros_like(n).index_add_(0, key, dev * dev) / (n - 1).clamp(min=1.0)
+    out = dev / (var.sqrt()[key] + eps)
+    return torch.where(counts[key] > 1, out, torch.zeros_like(out))
+
+
 def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """G_t = r_t + gamma * G_{t+1} over valid tokens; masked tokens are skipped (the
     return flows through environment text unchanged) and get 0."""

@@ -172,6 +172,11 @@ def check_task(cfg) -> Any:
             f"envs places a multi-turn task's environments (workers, nodes); '{cfg.task.name}' is single-turn and has "
             "none: remove envs (reward functions run in worker processes of their own already)"
         )
+    if not is_multi_turn(task) and cfg.algorithm.step_advantage_weight:
+        raise TaskError(
+            f"algorithm.step_advantage_weight compares the turns of multi-turn episodes; '{cfg.task.name}' is "
+            "single-turn (one turn per sample: its episode-level advantage is all there is): set it to 0"
+        )
     if is_multi_turn(task) and cfg.warmup.sft_steps and not callable(getattr(task, "demonstration", None)):
         raise TaskError(
             f"warmup.sft_steps on multi-turn task '{cfg.task.name}' trains on demonstrations, but it has no "

@@ -18,10 +18,12 @@ from rollout_hpc.runtime.records import empty_like, select_rows
 
 
 def add_advantages(
-    cfg, tensors: dict, ref_logprobs: torch.Tensor | None, values: torch.Tensor | None = None
+    cfg, tensors: dict, ref_logprobs: torch.Tensor | None, values: torch.Tensor | None = None, turns=None
 ) -> dict[str, float]:
     """Put per-token advantages (and the reference log-probs) into `tensors`; returns batch stats.
     With a critic's `values` (PPO), also its targets: tensors['old_values'] and tensors['returns'].
+    With algorithm.step_advantage_weight, `turns` (records.turn_table of the same batch) adds GiGPO's step-level
+    advantages to each turn's tokens.
 
     The generators' sampling log-probabilities serve as `logprobs` for KL-in-reward
     algorithms: they are the behaviour policy the tokens came from."""
@@ -39,6 +41,12 @@ def add_advantages(
     if a.normalize_by_domain and len(step_plan.domain_quotas(cfg)) > 1:
         params.update(domains=tensors["domain"])  # batch-level normalisation within each source
     tensors["advantages"] = algos.compute_advantages(a.name, rewards, a.group_size, tensors["mask"], **params)
+    if a.step_advantage_weight:
+        if turns is None:
+            raise ValueError("algorithm.step_advantage_weight needs the batch's turns (records.turn_table)")
+        tensors["advantages"] = tensors["advantages"] + a.step_advantage_weight * step_advantages(
+            turns, a.group_size, tensors["mask"]
+        )
     if spec.needs_critic:
         tensors["old_values"] = values
         tensors["returns"] = algos.value_targets(rewards, tensors["mask"], **params)
@@ -52,6 +60,15 @@ def add_advantages(
         stats["groups_kept"] = float(ds.kept_groups)
         stats["groups_dropped"] = float(ds.dropped_groups)
     return stats
+
+
+def step_advantages(turns: dict, group_size: int, mask: torch.Tensor) -> torch.Tensor:
+    """[B, T]: each turn's anchor-state advantage (algos.anchor_state_advantages) on its trained tokens."""
+    per_turn = algos.anchor_state_advantages(turns["row"] // group_size, turns["state"], turns["ret"])
+    out = torch.zeros_like(mask, dtype=torch.float32)
+    for row, start, end, value in zip(turns["row"].tolist(), turns["start"].tolist(), turns["end"].tolist(), per_turn):
+        out[row, start:end] = value
+    return out * mask
 
 
 def make_loss_fn(cfg):

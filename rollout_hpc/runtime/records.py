@@ -8,6 +8,8 @@ The advantages and the loss that train on these tensors: runtime/objective.py.
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import torch
 
@@ -80,6 +82,44 @@ def collate(batch: TrajectoryBatch, pad_id: int = 0) -> dict[str, torch.Tensor]:
         "rewards": torch.from_numpy(f["reward"].astype(np.float32)),
         "response_len": torch.from_numpy(rlen.astype(np.float32)),
         "domain": torch.from_numpy(f["domain"].astype(np.int64)),
+    }
+
+
+def turn_table(batch: TrajectoryBatch, gamma: float) -> dict[str, torch.Tensor]:
+    """One entry per turn of the batch's episodes, for step-level advantages (algos.anchor_state_advantages):
+    `row`, and `start`/`end`, the turn's columns in collate()'s layout (its reply and the observation after it);
+    `state`, an id of the observation the turn acted on (the prompt for the first turn, else the tokens after the
+    previous reply: equal ids, equal observations); `ret`, its return-to-go sum_j>=k gamma^(j-k) turn_rewards[j].
+    Rows are the batch's (sorted by uid, so a group's turns are contiguous). Single-turn records give one turn."""
+    plen = batch.fixed["prompt_len"].astype(np.int64)
+    rlen = batch.fixed["response_len"].astype(np.int64)
+    poff, roff, toff = batch.offsets("prompt_len"), batch.offsets("response_len"), batch.offsets("n_turns")
+    rows, starts, ends, states, rets = [], [], [], [], []
+    for i in range(len(batch)):
+        turn_at = batch.turn_starts[toff[i] : toff[i + 1]].astype(np.int64)
+        rewards = batch.turn_rewards[toff[i] : toff[i + 1]].astype(np.float64)
+        response = batch.response_ids[roff[i] : roff[i + 1]]
+        trained = batch.loss_mask[roff[i] : roff[i + 1]] > 0
+        ret = 0.0
+        to_go = np.zeros(len(rewards))
+        for k in range(len(rewards) - 1, -1, -1):
+            ret = rewards[k] + gamma * ret
+            to_go[k] = ret
+        for k, at in enumerate(turn_at):
+            before = turn_at[k - 1] if k else 0
+            seen = batch.prompt_ids[poff[i] : poff[i + 1]] if k == 0 else response[before:at][~trained[before:at]]
+            digest = hashlib.blake2b(np.ascontiguousarray(seen, np.int64).tobytes(), digest_size=8).digest()
+            rows.append(i)
+            starts.append(plen[i] + at)
+            ends.append(plen[i] + (turn_at[k + 1] if k + 1 < len(turn_at) else rlen[i]))
+            states.append(int.from_bytes(digest, "little", signed=True))
+            rets.append(to_go[k])
+    return {
+        "row": torch.tensor(rows, dtype=torch.int64),
+        "start": torch.tensor(starts, dtype=torch.int64),
+        "end": torch.tensor(ends, dtype=torch.int64),
+        "state": torch.tensor(states, dtype=torch.int64),
+        "ret": torch.tensor(rets, dtype=torch.float32),
     }
 
 

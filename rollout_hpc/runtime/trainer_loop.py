@@ -268,7 +268,8 @@ def learn(cfg, world, trainer, reference, critic, loss_fn, batch: TrajectoryBatc
     tensors = records.collate(batch)
     ref_lp = reference.logprobs(tensors["input_ids"], tensors["attention_mask"], tensors["mask"]) if reference else None
     values = critic.values(tensors["input_ids"], tensors["attention_mask"]) if critic else None
-    adv_stats = objective.add_advantages(cfg, tensors, ref_lp, values)
+    turns = records.turn_table(batch, a.gamma) if a.step_advantage_weight else None
+    adv_stats = objective.add_advantages(cfg, tensors, ref_lp, values, turns)
     groups = records.trainable_groups(tensors["mask"], a.group_size)
     if not len(groups):  # every group of every round had equal rewards: the policy stays as it is
         return adv_stats, {}
