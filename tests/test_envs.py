@@ -113,6 +113,16 @@ def test_sokoban_hints_give_the_box_from_the_player_and_the_target_from_the_box(
     assert level_text.endswith("\n") and level_text.split("\n")[-2].startswith("box ")  # the first prompt too
 
 
+def test_sokoban_eval_levels_sets_the_held_out_count_and_keeps_the_first_levels():
+    default = load_task(TaskSection(name="sokoban", params={"size": 6})).eval_prompts(3)
+    more = load_task(TaskSection(name="sokoban", params={"size": 6, "eval_levels": 200})).eval_prompts(3)
+    assert len(default) == 64 and len(more) == 200
+    assert [p.text for p in more[:64]] == [p.text for p in default]  # a larger eval adds levels, changes none
+    for bad in (0, -3, 2.5, True, "64"):
+        with pytest.raises(ConfigError, match="task.params.eval_levels must be a whole number >= 1"):
+            load_task(TaskSection(name="sokoban", params={"eval_levels": bad}))
+
+
 def test_sokoban_invalid_action_bump_and_max_turns():
     env = SokobanEnv(max_turns=3, step_cost=0.05, invalid_penalty=0.1, instructions=False)
     start = env.reset(Level.from_text(KNOWN))
