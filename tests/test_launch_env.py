@@ -65,7 +65,8 @@ def test_local_jobs_authenticate_with_socket_credentials_unless_the_user_says_ot
             "2",
             sys.executable,
             "-c",
-            "from mpi4py import MPI; print(MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size())",
+            # one write a line: print() under PYTHONUNBUFFERED writes in pieces, which mpirun interleaves
+            "import os; from mpi4py import MPI; c = MPI.COMM_WORLD; os.write(1, f'{c.Get_rank()} {c.Get_size()}\\n'.encode())",
         ],
         env=launch_env(),
         capture_output=True,
@@ -73,4 +74,4 @@ def test_local_jobs_authenticate_with_socket_credentials_unless_the_user_says_ot
         timeout=120,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert sorted(done.stdout.split("\n")[:2]) == ["0 2", "1 2"], done.stdout
+    assert sorted(done.stdout.splitlines()) == ["0 2", "1 2"], done.stdout
