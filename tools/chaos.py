@@ -231,8 +231,8 @@ def wait_for_step(rnd: Round, run: Interruptible, step: int, seen: set[int], seg
 
 
 def damage(path: Path, how: str, rng: random.Random) -> None:
-    """Cut a file at a random point, or flip 16 bytes of it: in a data chunk of the log (where they are read),
-    in the back half of a checkpoint."""
+    """Cut a file at a random point, or flip 16 bytes of it where a read meets them: in a data chunk of the log, in
+    one dataset's stored bytes of a checkpoint."""
     data = bytearray(path.read_bytes())
     if how == "truncate":
         data = data[: int(len(data) * rng.uniform(0.3, 0.9))]
@@ -244,9 +244,25 @@ def damage(path: Path, how: str, rng: random.Random) -> None:
             offset, size = _chunk(path, dataset, rng.randrange(chunks))
             at = offset + size // 2 - 8
         else:
-            at = rng.randrange(len(data) // 2, len(data) - 16)
+            at = _dataset_byte(path, rng)
         data[at : at + 16] = bytes(b ^ 0xFF for b in data[at : at + 16])
     path.write_bytes(bytes(data))
+
+
+def _dataset_byte(path: Path, rng: random.Random) -> int:
+    """A random offset 16 bytes inside one of the file's contiguous datasets. Not any byte of the file: ~2% of a
+    checkpoint's back half is free space or padding that no read touches (measured: 9 of 400 flips there went
+    unnoticed, rightly), and a flip there is no damage, so no message would name it."""
+    spans: list[tuple[int, int]] = []
+
+    def visit(_name, obj) -> None:
+        if isinstance(obj, h5py.Dataset) and obj.id.get_offset() is not None and obj.id.get_storage_size() >= 16:
+            spans.append((obj.id.get_offset(), obj.id.get_storage_size()))
+
+    with h5py.File(path, "r", locking=False) as f:
+        f.visititems(visit)
+    offset, size = rng.choice(sorted(spans))
+    return offset + rng.randrange(size - 15)
 
 
 def inject(rnd: Round, fault: str, run: Interruptible) -> str:
