@@ -401,8 +401,11 @@ def play_slurm(rnd: Round, reference: str, cluster: SlurmCluster) -> None:
             for late in rnd.faults[i + 1 :]:
                 rnd.fail(late, f"not injected: {fault} could not be")
             break
-        after = placed
         hung_job = settle(cluster, job, restarts) is None
+        # the newest checkpoint once the fault has settled, not the one it was placed after: a checkpoint written
+        # in the fault's moment (scancel during a write that completed) would otherwise let the next fault's
+        # checkpoint wait end at once, before the resumed job has started its ranks (ci22's 'no rank 0')
+        after = max(placed, newest_checkpoint(run_dir))
         outputs[fault] += logs.new_text()
         if hung_job:
             break
@@ -515,12 +518,17 @@ def kill9_rank(rnd: Round, cluster: SlurmCluster, job: str, fault: str, after: i
         return None
     time.sleep(rnd.rng.uniform(0.0, 0.5))
     rank = "0" if fault.endswith("generator") else "1"
-    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
-        if "rollout_hpc.runtime.entry" in _cmdline(pid) and str(rnd.run_dir) in _cmdline(pid):
-            if _environ(pid).get("PMIX_RANK") == rank:
-                os.kill(pid, signal.SIGKILL)
-                return done
-    rnd.fail(fault, f"no rank {rank} of the job to kill")
+    deadline = time.monotonic() + PHASE_BOUND_S
+    while time.monotonic() < deadline:  # a job just requeued or resubmitted has not launched its ranks yet
+        for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+            if "rollout_hpc.runtime.entry" in _cmdline(pid) and str(rnd.run_dir) in _cmdline(pid):
+                if _environ(pid).get("PMIX_RANK") == rank:
+                    os.kill(pid, signal.SIGKILL)
+                    return done
+        if cluster.job_state(int(job))[1]:
+            raise JobEnded(job)
+        time.sleep(0.2)
+    rnd.fail(fault, f"no rank {rank} of the job to kill within {PHASE_BOUND_S}s")
     return None
 
 
