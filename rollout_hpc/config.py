@@ -226,7 +226,12 @@ class TaskSection(_Section):
         description="Seconds one sample's reward may take; past it the sample "
         "scores 0 and counts as a reward error (the run goes on).",
     )
-    reward_workers: int = Field(2, ge=1, description="Reward worker processes per generator rank.")
+    reward_workers: int = Field(
+        2,
+        ge=0,
+        description="Reward worker processes per generator rank; 0: score in the generator rank itself (faster "
+        "for a fast reward such as exact match, but no reward_timeout and no isolation from a reward that hangs).",
+    )
     params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the task.")
     env: EnvSection = Field(default_factory=EnvSection, description="Multi-turn episodes (sokoban, gym:..., plugins).")
 

@@ -49,6 +49,28 @@ class RewardResult:
         return self.status == REWARD_OK
 
 
+def job_result(status: int, payload, name: str, factory: str, job: tuple[Any, str]) -> RewardResult:
+    """A job's answer (rewards/worker.py's job_answer: status, payload) as its RewardResult; RewardFatal for a
+    value no run may train on (NaN, inf, not a number), naming the reward, the key and the response."""
+    if status == _MSG_OK:
+        if not math.isfinite(payload):
+            raise RewardFatal(_bad_value(f"{payload}", "a reward must be finite", name, factory, job))
+        return RewardResult(payload, REWARD_OK, None)
+    if status in (_MSG_ERROR, _MSG_SAMPLE_ERROR):
+        return RewardResult(0.0, REWARD_ERROR, payload, status == _MSG_SAMPLE_ERROR)
+    raise RewardFatal(_bad_value(payload, "a reward must be a float", name, factory, job))
+
+
+def _bad_value(what: str, rule: str, name: str, factory: str, job: tuple[Any, str]) -> str:
+    key, text = job
+    key_text, text_text = repr(key), repr(text)
+    if len(key_text) > 80:
+        key_text = key_text[:77] + "..."
+    if len(text_text) > 80:
+        text_text = text_text[:77] + "..."
+    return f"{name} returned {what}; {rule} (reward factory '{factory}', key {key_text}, response {text_text})"
+
+
 class _Worker:
     __slots__ = ("proc", "fd", "buf", "ready", "started", "outstanding", "head_start")
 
@@ -322,28 +344,12 @@ class RewardPool:
         w.outstanding.popleft()
         w.head_start = now
         remaining[0] -= 1
-        if status == _MSG_OK:
-            if not math.isfinite(payload):
-                raise self._fatal(self._bad_value(f"{payload}", "a reward must be finite", jobs[job_id]))
-            results[job_id] = RewardResult(payload, REWARD_OK, None)
-            self._counts["ok"] += 1
-        elif status in (_MSG_ERROR, _MSG_SAMPLE_ERROR):
-            results[job_id] = RewardResult(0.0, REWARD_ERROR, payload, status == _MSG_SAMPLE_ERROR)
-            self._counts["errors"] += 1
-        else:
-            raise self._fatal(self._bad_value(payload, "a reward must be a float", jobs[job_id]))
-
-    def _bad_value(self, what: str, rule: str, job) -> str:
-        key, text = job
-        key_text, text_text = repr(key), repr(text)
-        if len(key_text) > 80:
-            key_text = key_text[:77] + "..."
-        if len(text_text) > 80:
-            text_text = text_text[:77] + "..."
-        return (
-            f"{self.name} returned {what}; {rule} (reward factory '{self.factory}', key {key_text}, "
-            f"response {text_text})"
-        )
+        try:
+            result = job_result(status, payload, self.name, self.factory, jobs[job_id])
+        except RewardFatal as exc:
+            raise self._fatal(str(exc)) from None
+        results[job_id] = result
+        self._counts["ok" if result.ok else "errors"] += 1
 
     def _on_death(self, w: _Worker, results, remaining, pending) -> None:
         was_ready = w.ready

@@ -43,7 +43,8 @@ def load_factory(spec: str, name: str):
     return load_plugin(spec, "reward factory")
 
 
-def _result(job_id, fn, key, text):
+def job_answer(job_id, fn, key, text):
+    """(job_id, status, payload) of scoring one job with `fn` (the module docstring's protocol)."""
     try:
         value = fn(key, text)
     except BaseException as exc:  # noqa: BLE001 - a reward's failure is the job's result, not the worker's
@@ -82,7 +83,7 @@ def main(argv: list[str]) -> int:
         if msg is None:
             return 0
         for job_id, key, text in msg[1]:
-            write_message(proto_out, _result(job_id, fn, key, text))
+            write_message(proto_out, job_answer(job_id, fn, key, text))
 
 
 if __name__ == "__main__":

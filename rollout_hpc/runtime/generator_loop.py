@@ -32,6 +32,7 @@ from rollout_hpc.errors import RewardFatal
 from rollout_hpc.exchange.faults import fault_point
 from rollout_hpc.exchange.weights import SyncClosed
 from rollout_hpc.rewards import REWARD_ERROR, REWARD_OK, RewardPool
+from rollout_hpc.rewards.inline import InlineScorer
 from rollout_hpc.rundir_layout import data_dir
 from rollout_hpc.runtime import watchdog
 from rollout_hpc.runtime.env_group import generator_host
@@ -209,11 +210,14 @@ def generate_with_refills(world, cfg, plan, gen, dataset, exchange, workers, ver
             return
 
 
-def reward_pool(cfg, task, run_dir: Path):
-    """The reward worker processes of this generator rank (they rebuild the task from its config)."""
+def reward_pool(cfg, task, run_dir: Path) -> RewardPool | InlineScorer:
+    """The reward worker processes of this generator rank (they rebuild the task from its config); with
+    task.reward_workers 0 the same scoring in this process."""
 
     data = data_dir(run_dir)
     args = (cfg.task.model_dump(mode="json"), cfg.run.seed, str(data) if data is not None else None)
+    if cfg.task.reward_workers == 0:
+        return InlineScorer("rollout_hpc.envs.scoring:task_scorer", args, name=reward_name(task, cfg.task))
     return RewardPool(
         "rollout_hpc.envs.scoring:task_scorer",
         args,
