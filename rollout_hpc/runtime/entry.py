@@ -30,7 +30,7 @@ from rollout_hpc.errors import EntryError, UserError
 from rollout_hpc.exchange.forward import ExchangeError
 from rollout_hpc.process_exit import exit_now
 from rollout_hpc.rundir_layout import EXIT_USER_ERROR, RESOLVED_CONFIG
-from rollout_hpc.runtime import heap
+from rollout_hpc.runtime import heap, startup_gc
 from rollout_hpc.runtime.world import WorldError, init_world
 from rollout_hpc.trajectory import LayoutError
 
@@ -72,6 +72,8 @@ def run(run_dir: Path) -> int:
             "pass --run-dir of such a directory"
         )
     cfg = load_config(cfg_path)
+    if cfg.run.program not in ("hello", "profile"):  # train_program releases it once the rank is built
+        startup_gc.hold()
     heap.keep_freed_memory()  # a step's freed tensors stay for the next step, not page-faulted back (runtime/heap.py)
     program = _load_program(cfg.run.program)
     # MPI start-up waits for every rank in C, holding the GIL: a peer that never starts (a het step Slurm could not

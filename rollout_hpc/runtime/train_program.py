@@ -28,7 +28,7 @@ from rollout_hpc.exchange.forward import Exchange
 from rollout_hpc.exchange.weights import SyncClosed, WeightSync
 from rollout_hpc.models import build_model, load_tokenizer
 from rollout_hpc.models.export import init_weights
-from rollout_hpc.runtime import watchdog
+from rollout_hpc.runtime import startup_gc, watchdog
 from rollout_hpc.runtime.checkpointing import install_stop_handlers
 from rollout_hpc.runtime.env_group import serve_environments
 from rollout_hpc.runtime.generator_loop import receive_weights, run_generator
@@ -116,6 +116,8 @@ def _env_rank(world, cfg, run_dir: Path) -> int:
 def _run(world, cfg, run_dir: Path) -> int:
     torch.set_num_threads(cpu_threads(cfg, world))
     seed_everything(cfg, world)
+    if world.is_reward or world.is_env:
+        startup_gc.release()  # these ranks build no policy model
     if world.is_reward:
         return _reward_rank(world, cfg, run_dir)
     if world.is_env:
@@ -131,6 +133,7 @@ def _run(world, cfg, run_dir: Path) -> int:
     eval_comm = world.comm.Dup() if cfg.eval else None
     rate_comm = world.comm.Dup() if cfg.rewards.models else None  # scoring rates -> the log writer (collective too)
     dog = watchdog.Watchdog(world, cfg, run_dir)  # collective too; ends a job that stopped making progress
+    startup_gc.release()  # the rank is built (runtime/startup_gc.py)
     try:
         return _roles(world, cfg, run_dir, model, tokenizer, exchange, weights, eval_comm, rate_comm)
     finally:
