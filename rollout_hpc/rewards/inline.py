@@ -16,8 +16,7 @@ from typing import Any
 
 from rollout_hpc.errors import RewardFatal
 from rollout_hpc.rewards.pool import RewardResult, job_result
-from rollout_hpc.rewards.worker import job_answer, load_factory
-from rollout_hpc.worker_process import one_line
+from rollout_hpc.rewards.worker import factory_failure, job_answer, load_factory
 
 
 class InlineScorer:
@@ -30,9 +29,10 @@ class InlineScorer:
         except RewardFatal:
             raise
         except Exception as exc:  # what the pool says of a worker's "fatal" answer
-            if any(c.__name__ == "PluginError" for c in type(exc).__mro__):  # it names the plugin and the fix
-                raise RewardFatal(f"{name}: {' '.join(str(exc).split())}") from exc
-            raise RewardFatal(f"{name}: reward factory '{factory}' failed: {one_line(exc, 2000)}") from exc
+            message, plugin_error = factory_failure(exc)
+            raise RewardFatal(
+                f"{name}: {message}" if plugin_error else f"{name}: reward factory '{factory}' failed: {message}"
+            ) from exc
         if not callable(self._fn):
             raise RewardFatal(
                 f"{name}: reward factory '{factory}' returned {type(self._fn).__name__}, not fn(key, text)"

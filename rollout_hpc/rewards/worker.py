@@ -60,6 +60,13 @@ def job_answer(job_id, fn, key, text):
     return job_id, MSG_BAD, f"{type(value).__name__} {text[:200]}"
 
 
+def factory_failure(exc: BaseException) -> tuple[str, bool]:
+    """(message, is_plugin_error) of a factory that failed. A PluginError (rollout_hpc.plugins) already says which
+    plugin and what to fix: its message as is; anything else as "TypeName: message"."""
+    plugin_error = any(c.__name__ == "PluginError" for c in type(exc).__mro__)
+    return (" ".join(str(exc).split()) if plugin_error else one_line(exc, 2000)), plugin_error
+
+
 def main(argv: list[str]) -> int:
     started = start_worker(argv)
     if started is None:
@@ -70,11 +77,7 @@ def main(argv: list[str]) -> int:
         if not callable(fn):
             raise TypeError(f"it returned {type(fn).__name__} {repr(fn)[:100]}, not a function fn(key, text) -> float")
     except BaseException as exc:  # noqa: BLE001
-        # A PluginError (rollout_hpc.plugins) already says which plugin and what to fix: pass its message as is.
-        plugin_error = any(c.__name__ == "PluginError" for c in type(exc).__mro__)
-        write_message(
-            proto_out, ("fatal", " ".join(str(exc).split()) if plugin_error else one_line(exc, 2000), plugin_error)
-        )
+        write_message(proto_out, ("fatal", *factory_failure(exc)))
         return 0
     write_message(proto_out, ("ready", os.getpid()))
 
